@@ -1,0 +1,863 @@
+"""grpo.py: GRPO and its descendants in one file, for fine-tuning language models on verifiable rewards.
+
+    python grpo.py --algo grpo        --model Qwen/Qwen2.5-0.5B-Instruct
+    python grpo.py --algo drgrpo      --model Qwen/Qwen2.5-0.5B-Instruct
+    python grpo.py --algo dapo        --model Qwen/Qwen2.5-0.5B-Instruct
+    python grpo.py --algo drgrpo_soft --model Qwen/Qwen2.5-0.5B-Instruct
+    python grpo.py --algo drgrpo --dry-run      # print the objective a preset optimises, then exit
+    torchrun --nproc_per_node 4 grpo.py ...     # several GPUs: each rank takes whole groups
+
+One step: B prompts -> G sampled completions each -> rewards -> group-relative
+advantages -> clipped token loss -> one optimizer step (num_iterations of them).
+
+Papers (a preset is only a set of defaults; every knob is its own flag):
+  grpo         GRPO, DeepSeekMath (2402.03300) §4.1: A = (R - mean) / std over the group,
+               each sequence's loss averaged over its tokens, then over sequences; k3 KL, beta 0.04.
+  drgrpo       Dr. GRPO (2503.20783) §3.1: no / std (difficulty bias) and no 1/|o_i| (length
+               bias): token sums divided by a constant, n_seq * max_new_tokens. No KL.
+  dapo         DAPO (2503.14476) §3: clip-higher (eps_high 0.28), dynamic sampling (drop
+               groups whose rewards are all equal, refill), token-mean loss over the whole
+               batch, soft overlong punishment, +1/-1 correctness reward. No KL.
+  drgrpo_soft  Dr. GRPO+ soft reweighting: Dr. GRPO advantages scaled per group by
+               w = std_g / max_g' std_g', token sums averaged over sequences (no / T).
+Mixed pool (--teacher-pool): each group is G_s live student samples plus G_t cached teacher
+completions with frozen rewards; --split-grads backpropagates the two halves apart.
+
+Departures, on purpose: one rollout per optimizer step by default (num_iterations = 1, so the
+ratio is 1 and old_logp = logp.detach()); std is torch's unbiased std (as TRL and verl);
+logits are divided by the sampling temperature in every log-prob (as TRL and verl).
+
+Shapes: B prompts per step, G completions per prompt (G = G_s + G_t in the mixed pool),
+N = B*G rows, P prompt length (left padded), C completion length (<= T = max_new_tokens),
+V vocabulary.
+"""
+import argparse
+import contextlib
+import copy
+import dataclasses
+import importlib.util
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+import rewards as R
+
+
+def fail(msg: str):
+    """Bad input or impossible flags: one line, before any training when it can be found then."""
+    raise SystemExit(f"grpo: error: {msg}")
+
+
+# ----------------------------------------------------------------------------- flags
+def flag(default, help):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class Args:
+    # run
+    algo: str = flag("grpo", "preset: grpo | drgrpo | dapo | drgrpo_soft (sets defaults; explicit flags win)")
+    model: str = flag("Qwen/Qwen2.5-0.5B-Instruct", "hub id or local directory")
+    output_dir: str = flag("grpo_out", "checkpoint/, metrics.jsonl and args.json go here")
+    max_steps: int = flag(200, "optimizer steps (x num_iterations)")
+    seed: int = flag(0, "seeds data order, sampling (+1000*rank) and LoRA init")
+    dry_run: bool = flag(False, "print the resolved flags and the objective they optimise, then exit")
+    save_every: int = flag(50, "steps between checkpoints (0: only at the end)")
+    wandb_project: str = flag("", "log to this wandb project too (needs wandb installed)")
+    # data
+    dataset: str = flag("", "'' built-in arithmetic task | gsm8k (needs `datasets`) | a JSONL file "
+                        "(GSM8K's question/answer, or prompt/answer)")
+    eval_dataset: str = flag("", "JSONL of held-out prompts (gsm8k and the built-in task have their own)")
+    eval_every: int = flag(50, "steps between greedy evaluations (0: never)")
+    eval_prompts: int = flag(64, "held-out prompts per evaluation")
+    system_prompt: str = flag("Please reason step by step, and put your final answer within \\boxed{}.",
+                              "system message of the chat template ('' for none)")
+    # generate
+    prompts_per_step: int = flag(8, "B: prompts (groups) per optimizer step, over all ranks")
+    num_generations: int = flag(8, "G_s: sampled completions per prompt")
+    max_new_tokens: int = flag(256, "T: completion length cap (also Dr. GRPO's constant normaliser)")
+    temperature: float = flag(1.0, "sampling temperature")
+    top_p: float = flag(1.0, "nucleus sampling (1: off)")
+    top_k: int = flag(0, "top-k sampling (0: off)")
+    # reward
+    rewards: str = flag("correct", "weighted built-in rewards, e.g. correct:1,format:0.2 (rewards.REWARDS)")
+    reward_fn: str = flag("", "your own reward, PATH.py:FUNCTION; used alone unless --rewards is also given")
+    overlong_penalty: bool = flag(False, "DAPO §3.4 soft overlong punishment added to the reward")
+    overlong_buffer: int = flag(0, "L_cache in tokens for the overlong penalty (0: T // 5)")
+    # advantage and group filters
+    scale: str = flag("std", "std: A = (R - mean) / (std + eps) | none: A = R - mean (Dr. GRPO)")
+    std_eps: float = flag(1e-6, "eps in the std scaling and in the soft weights")
+    soft_reweight: bool = flag(False, "Dr. GRPO+ soft: A *= std_g / max std over the step's groups")
+    dynamic_sampling: bool = flag(False, "DAPO §3.2: keep groups whose rewards differ, regenerate to refill B")
+    max_gen_rounds: int = flag(4, "cap on generation rounds per step for dynamic sampling")
+    top_k_groups: int = flag(0, "keep the k groups with the largest reward std (0: off)")
+    skip_zero_variance: bool = flag(True, "skip forward/backward of groups with equal rewards (exact; "
+                                    "only with beta 0, where they carry no gradient)")
+    # loss
+    loss_agg: str = flag("seq-mean-token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum "
+                         "| seq-mean-token-sum-norm")
+    eps_low: float = flag(0.2, "ratio clipped below at 1 - eps_low")
+    eps_high: float = flag(0.2, "ratio clipped above at 1 + eps_high (DAPO clip-higher: 0.28)")
+    beta: float = flag(0.0, "k3 KL weight against the reference (adapter disabled)")
+    mask_truncated: bool = flag(False, "DAPO §3.4 overlong filtering: no loss on completions without EOS")
+    num_iterations: int = flag(1, "optimizer steps per rollout batch (old_logp computed once if > 1)")
+    # mixed student + teacher pool
+    teacher_pool: str = flag("", "JSONL of cached teacher completions: prompt, completion, reward")
+    teacher_per_group: int = flag(0, "G_t: teacher completions per group, beside the G_s student samples")
+    split_grads: bool = flag(False, "backpropagate student and teacher halves apart; log |g_s|, |g_t|, cos")
+    # model and optimizer
+    lora_r: int = flag(16, "LoRA rank (0: full fine-tuning)")
+    lora_alpha: int = flag(32, "LoRA alpha")
+    lora_dropout: float = flag(0.0, "LoRA dropout (0 keeps logp deterministic between passes)")
+    load_in_4bit: bool = flag(False, "QLoRA: 4-bit NF4 base weights (bitsandbytes)")
+    dtype: str = flag("auto", "auto (bf16 where supported, else fp32) | bf16 | fp32")
+    gradient_checkpointing: bool = flag(False, "recompute activations in backward")
+    micro_batch_size: int = flag(8, "rows per training forward/backward (gradient accumulation)")
+    optim: str = flag("adamw_torch", "adamw_torch | adamw_8bit | paged_adamw_8bit (bitsandbytes)")
+    learning_rate: float = flag(2e-5, "AdamW learning rate")
+    weight_decay: float = flag(0.0, "AdamW weight decay")
+    max_grad_norm: float = flag(1.0, "clip the gradient norm (0: no clipping)")
+
+
+STAGES = {"algo": "run", "dataset": "data", "prompts_per_step": "generate", "rewards": "reward",
+          "scale": "advantage and group filters", "loss_agg": "loss",
+          "teacher_pool": "mixed student + teacher pool", "lora_r": "model and optimizer"}
+
+PRESETS = {  # SPEC §5; values from the papers and seeds
+    "grpo": dict(scale="std", loss_agg="seq-mean-token-mean", eps_low=0.2, eps_high=0.2, beta=0.04),
+    "drgrpo": dict(scale="none", loss_agg="seq-mean-token-sum-norm", eps_low=0.2, eps_high=0.2, beta=0.0),
+    "dapo": dict(scale="std", loss_agg="token-mean", eps_low=0.2, eps_high=0.28, beta=0.0,
+                 dynamic_sampling=True, overlong_penalty=True, rewards="correct_pm1"),
+    "drgrpo_soft": dict(scale="none", loss_agg="seq-mean-token-sum", eps_low=0.2, eps_high=0.2, beta=0.0,
+                        soft_reweight=True),
+}
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+OPTIMS = ("adamw_torch", "adamw_8bit", "paged_adamw_8bit")
+
+
+def parse_args(argv=None) -> Args:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], argument_default=argparse.SUPPRESS)
+    group = parser
+    for f in dataclasses.fields(Args):
+        if f.name in STAGES:
+            group = parser.add_argument_group(STAGES[f.name])
+        kind = dict(action=argparse.BooleanOptionalAction) if f.type in (bool, "bool") else dict(type=type(f.default))
+        group.add_argument("--" + f.name.replace("_", "-"), help=f"{f.metadata['help']} [{f.default!r}]", **kind)
+    given = vars(parser.parse_args(argv))
+    algo = given.get("algo", Args.algo)
+    if algo not in PRESETS:
+        fail(f"--algo {algo!r} is not one of {', '.join(PRESETS)}")
+    args = Args(**{**PRESETS[algo], **given})  # a preset is defaults; an explicit flag wins
+    if args.reward_fn and "rewards" not in given:
+        args.rewards = ""  # a custom reward alone, unless --rewards names built-ins too
+    # derived values
+    if args.overlong_penalty and args.overlong_buffer == 0:
+        args.overlong_buffer = max(1, args.max_new_tokens // 5)
+    check_args(args)
+    return args
+
+
+def check_args(a: Args):
+    """Impossible combinations fail here, each with what to change."""
+    if a.scale not in ("std", "none"):
+        fail(f"--scale {a.scale!r}: use std or none")
+    if a.loss_agg not in LOSS_AGGS:
+        fail(f"--loss-agg {a.loss_agg!r}: use one of {', '.join(LOSS_AGGS)}")
+    if a.optim not in OPTIMS:
+        fail(f"--optim {a.optim!r}: use one of {', '.join(OPTIMS)}")
+    if a.dtype not in ("auto", "bf16", "fp32"):
+        fail(f"--dtype {a.dtype!r}: use auto, bf16 or fp32")
+    for name in ("prompts_per_step", "max_new_tokens", "micro_batch_size", "num_iterations", "max_gen_rounds"):
+        if getattr(a, name) < 1:
+            fail(f"--{name.replace('_', '-')} must be at least 1")
+    if a.num_generations + a.teacher_per_group < 2:
+        fail("a group needs at least 2 completions for a group-relative advantage: raise --num-generations")
+    if not 0 <= a.eps_low < 1 or a.eps_high < 0:
+        fail("--eps-low must be in [0, 1) and --eps-high >= 0")
+    if a.load_in_4bit and a.lora_r == 0:
+        fail("--load-in-4bit trains LoRA adapters on frozen 4-bit weights: set --lora-r > 0")
+    if a.overlong_penalty and not 0 < a.overlong_buffer <= a.max_new_tokens:
+        fail("--overlong-buffer must be in (0, --max-new-tokens]")
+    if a.top_k_groups < 0 or a.top_k_groups > a.prompts_per_step:
+        fail("--top-k-groups must be between 0 and --prompts-per-step")
+    if bool(a.teacher_pool) != (a.teacher_per_group > 0):
+        fail("the mixed pool needs both --teacher-pool PATH and --teacher-per-group G_T > 0")
+    if a.split_grads and not a.teacher_pool:
+        fail("--split-grads splits student and teacher gradients: it needs --teacher-pool")
+    if not a.rewards and not a.reward_fn:
+        fail("no reward: give --rewards and/or --reward-fn")
+
+
+def describe_objective(a: Args) -> str:
+    """The objective the resolved flags optimise, in one formula, for --dry-run."""
+    clip = f"clip(r, 1-{a.eps_low:g}, 1+{a.eps_high:g})"
+    inner = f"min(r·A_i, {clip}·A_i)" + (f" - {a.beta:g}·KL_k3" if a.beta else "")
+    agg = {"token-mean": f"1/Σ|o_i| Σ_i Σ_t {inner}",
+           "seq-mean-token-mean": f"1/n_seq Σ_i 1/|o_i| Σ_t {inner}",
+           "seq-mean-token-sum": f"1/n_seq Σ_i Σ_t {inner}",
+           "seq-mean-token-sum-norm": f"1/(n_seq·{a.max_new_tokens}) Σ_i Σ_t {inner}"}[a.loss_agg]
+    adv = "A_i = R_i - mean_g(R)" + (" / (std_g(R) + eps)" if a.scale == "std" else "")
+    adv += "  ·  std_g / max_g' std_g'" if a.soft_reweight else ""
+    reward = " + ".join(filter(None, [a.rewards.replace(",", " + "), a.reward_fn,
+                                      f"overlong(L_cache={a.overlong_buffer})" if a.overlong_penalty else ""]))
+    filters = [f"dynamic sampling (≤{a.max_gen_rounds} rounds)" if a.dynamic_sampling else "",
+               f"top-{a.top_k_groups} groups by std" if a.top_k_groups else "",
+               "truncated completions masked" if a.mask_truncated else ""]
+    group = f"{a.num_generations} student" + (f" + {a.teacher_per_group} teacher (ratio 1 forced)"
+                                              if a.teacher_per_group else "")
+    return "\n".join([f"J(θ) = E_q [ {agg} ],  r = π_θ / π_old per token",
+                      f"  {adv}",
+                      f"  R = {reward}",
+                      f"  group: {group} completions of ≤ {a.max_new_tokens} tokens, {a.prompts_per_step} groups a step",
+                      f"  filters: {', '.join(filter(None, filters)) or 'none'}"])
+
+
+# ----------------------------------------------------------------------------- distributed
+def setup_distributed():
+    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; a plain `python grpo.py` is world 1, no process group."""
+    if "RANK" not in os.environ:
+        return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def all_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks, in place (identity in one process)."""
+    if dist.is_initialized():
+        dist.all_reduce(x)
+    return x
+
+
+def all_gather(obj) -> list:
+    """One entry per rank, in rank order ([obj] in one process)."""
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# ----------------------------------------------------------------------------- data
+def arithmetic_task(n: int, seed: int) -> list[dict]:
+    """The built-in verifiable task: seeded one-step arithmetic word problems, made on the fly."""
+    rng = random.Random(seed)
+    names, items = ["Ava", "Ben", "Chen", "Dana", "Eli", "Fatima", "Gus", "Hana"], ["apples", "pens", "coins", "cards"]
+    out = []
+    for _ in range(n):
+        who, what, a, b = rng.choice(names), rng.choice(items), rng.randint(2, 99), rng.randint(2, 99)
+        kind = rng.randrange(4)
+        if kind == 0:
+            q, ans = f"{who} has {a} {what} and gets {b} more. How many {what} does {who} have now?", a + b
+        elif kind == 1:
+            a, b = max(a, b), min(a, b)
+            q, ans = f"{who} has {a} {what} and gives away {b}. How many {what} are left?", a - b
+        elif kind == 2:
+            a = rng.randint(2, 12)
+            q, ans = f"{who} buys {a} boxes with {b} {what} in each. How many {what} is that?", a * b
+        else:
+            a = rng.randint(2, 12)
+            q, ans = f"{who} shares {a * b} {what} equally among {a} friends. How many does each get?", b
+        out.append({"prompt": q, "answer": str(ans)})
+    return out
+
+
+def read_jsonl(path: str, fields: tuple[str, ...]) -> list[tuple[int, dict]]:
+    """(line number, record) for each non-empty line; a clear error names the file and line."""
+    if not os.path.isfile(path):
+        fail(f"{path}: no such file")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                fail(f"{path}:{i}: not valid JSON ({e.msg})")
+            if not isinstance(rec, dict) or any(k not in rec for k in fields):
+                fail(f"{path}:{i}: each line needs the fields {', '.join(fields)}")
+            rows.append((i, rec))
+    if not rows:
+        fail(f"{path}: no examples")
+    return rows
+
+
+def load_examples(path: str) -> list[dict]:
+    """A local JSONL in GSM8K's format (question, answer ending '#### N') or prompt/answer."""
+    with open(path, encoding="utf-8") as f:
+        first = next((line for line in f if line.strip()), "{}")
+    gsm8k = '"question"' in first
+    rows = read_jsonl(path, ("question", "answer") if gsm8k else ("prompt", "answer"))
+    return [{"prompt": r["question" if gsm8k else "prompt"], "answer": R.reference_answer(str(r["answer"]))}
+            for _, r in rows]
+
+
+def load_data(a: Args) -> tuple[list[dict], list[dict]]:
+    """(train, eval) examples: dicts with 'prompt' and 'answer' (the reference a reward compares to)."""
+    if a.dataset == "":
+        return arithmetic_task(20000, a.seed), arithmetic_task(a.eval_prompts, a.seed + 1)
+    if a.dataset == "gsm8k":
+        try:
+            import datasets
+        except ImportError:
+            fail("--dataset gsm8k needs `pip install datasets`, or pass GSM8K's train.jsonl as --dataset")
+        ds = datasets.load_dataset("openai/gsm8k", "main")
+        split = {s: [{"prompt": r["question"], "answer": R.reference_answer(r["answer"])} for r in ds[s]]
+                 for s in ("train", "test")}
+        return split["train"], split["test"][: a.eval_prompts]
+    train = load_examples(a.dataset)
+    return train, load_examples(a.eval_dataset)[: a.eval_prompts] if a.eval_dataset else []
+
+
+def load_teacher_pool(a: Args, train: list[dict]) -> dict[str, list[tuple[str, float]]]:
+    """prompt -> [(completion, frozen reward)]; every training prompt must have at least G_t of them."""
+    pool: dict[str, list[tuple[str, float]]] = {}
+    for i, r in read_jsonl(a.teacher_pool, ("prompt", "completion", "reward")):
+        try:
+            reward = float(r["reward"])
+        except (TypeError, ValueError):
+            reward = math.nan
+        if not math.isfinite(reward):
+            fail(f"{a.teacher_pool}:{i}: reward {r['reward']!r} is not a finite number")
+        pool.setdefault(r["prompt"], []).append((str(r["completion"]), reward))
+    missing = [ex["prompt"] for ex in train if ex["prompt"] not in pool]
+    if missing:
+        fail(f"{len(missing)} of {len(train)} training prompts have no teacher completion in {a.teacher_pool} "
+             f"(first: {missing[0][:60]!r}): add them to the pool, or train on its prompts with --dataset")
+    short = [p for p in {ex["prompt"] for ex in train} if len(pool[p]) < a.teacher_per_group]
+    if short:
+        fail(f"{len(short)} prompts have fewer than --teacher-per-group {a.teacher_per_group} teacher completions "
+             f"(e.g. {short[0][:60]!r} has {len(pool[short[0]])}): lower --teacher-per-group")
+    return pool
+
+
+def prompt_stream(data: list[dict], seed: int):
+    """Endless, seeded: every rank draws the same order and takes its own slice of each batch."""
+    rng = random.Random(seed)
+    while True:
+        order = list(range(len(data)))
+        rng.shuffle(order)
+        yield from (data[i] for i in order)
+
+
+# ----------------------------------------------------------------------------- model
+def load_model(a: Args, device: torch.device):
+    """Policy (LoRA, QLoRA or full), tokenizer, and a frozen reference only for full fine-tuning with KL."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    dtype = torch.bfloat16 if a.dtype == "bf16" or (a.dtype == "auto" and bf16) else torch.float32
+    tok = AutoTokenizer.from_pretrained(a.model)
+    tok.padding_side = "left"  # batched generation appends to the right end of every row
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token  # safe: completions are masked by position, not by token id
+    kw = dict(dtype=dtype)
+    if a.load_in_4bit:
+        kw.update(device_map={"": device}, quantization_config=BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True))
+    model = AutoModelForCausalLM.from_pretrained(a.model, **kw)
+    if not a.load_in_4bit:
+        model.to(device)
+    eos = model.generation_config.eos_token_id  # chat models may end on several tokens
+    model.eos_ids = sorted({tok.eos_token_id, *(eos if isinstance(eos, list) else [eos] if eos is not None else [])})
+    if a.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ref_model = None
+    if a.lora_r > 0:
+        import peft
+        if a.load_in_4bit:
+            model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=a.gradient_checkpointing)
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=a.lora_dropout, target_modules="all-linear",
+            task_type="CAUSAL_LM"))
+    elif a.beta > 0:  # full fine-tuning with KL: a frozen copy is the reference
+        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    return model, tok, ref_model
+
+
+def make_optimizer(a: Args, model):
+    params = [p for p in model.parameters() if p.requires_grad]  # only what trains reaches the optimizer
+    kw = dict(lr=a.learning_rate, weight_decay=a.weight_decay)
+    if a.optim == "adamw_torch":
+        return torch.optim.AdamW(params, **kw)
+    import bitsandbytes as bnb
+    return (bnb.optim.AdamW8bit if a.optim == "adamw_8bit" else bnb.optim.PagedAdamW8bit)(params, **kw)
+
+
+# ----------------------------------------------------------------------------- generate
+def chat_prompt(tok, prompt: str, system: str) -> str:
+    if not tok.chat_template:
+        return prompt
+    msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+    return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+
+def completion_mask(ids: torch.Tensor, eos_ids) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids (N, C) -> mask (N, C): 1 up to and including the first EOS, 0 after; truncated (N,): no EOS.
+    By position, never by `ids == pad`: with pad == eos that would drop the EOS, an action to learn."""
+    is_eos = torch.isin(ids, torch.as_tensor(eos_ids, device=ids.device))
+    first = torch.where(is_eos.any(1), is_eos.int().argmax(1), ids.shape[1])  # (N,)
+    mask = torch.arange(ids.shape[1], device=ids.device)[None] <= first[:, None]
+    return mask, ~is_eos.any(1)
+
+
+@torch.no_grad()
+def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False):
+    """n completions per prompt text -> (prompt ids per text, completions cut after the first EOS, truncated).
+    An explicit GenerationConfig: nothing from the model's own config (e.g. a repetition penalty)
+    may change the sampling distribution away from the policy the loss assumes."""
+    from transformers import GenerationConfig
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=not tok.chat_template).to(model.device)
+    sampling = {} if greedy else dict(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
+    cfg = GenerationConfig(max_new_tokens=a.max_new_tokens, do_sample=not greedy, pad_token_id=tok.pad_token_id,
+                           eos_token_id=model.eos_ids, **sampling)
+    was_training = model.training
+    model.eval()
+    out = model.generate(input_ids=enc.input_ids.repeat_interleave(n, 0),
+                         attention_mask=enc.attention_mask.repeat_interleave(n, 0), generation_config=cfg)
+    model.train(was_training)
+    comp = out[:, enc.input_ids.shape[1]:]  # (len(texts)*n, C)
+    mask, truncated = completion_mask(comp, model.eos_ids)
+    prompts = [ids[m.bool()] for ids, m in zip(enc.input_ids, enc.attention_mask)]
+    return prompts, [c[m] for c, m in zip(comp, mask)], truncated.tolist()
+
+
+def teacher_completion(tok, text: str, eos_id: int, max_new_tokens: int) -> tuple[torch.Tensor, bool]:
+    """A cached completion tokenized as the policy would emit it: text + EOS, cut at T (then truncated)."""
+    ids = tok(text, add_special_tokens=False).input_ids + [eos_id]
+    return torch.tensor(ids[:max_new_tokens]), len(ids) > max_new_tokens
+
+
+# ----------------------------------------------------------------------------- reward
+def build_rewards(a: Args) -> list[tuple[str, object, float]]:
+    """[(name, fn, weight)] from --rewards name:weight,... and --reward-fn PATH.py:FUNCTION."""
+    fns = []
+    for part in filter(None, a.rewards.split(",")):
+        name, _, w = part.partition(":")
+        if name not in R.REWARDS:
+            fail(f"--rewards: unknown reward {name!r}; built-ins are {', '.join(R.REWARDS)}")
+        try:
+            fns.append((name, R.REWARDS[name], float(w or 1)))
+        except ValueError:
+            fail(f"--rewards: weight {w!r} of {name!r} is not a number")
+    if a.reward_fn:
+        path, _, fn_name = a.reward_fn.rpartition(":")
+        if not path.endswith(".py") or not os.path.isfile(path):
+            fail(f"--reward-fn {a.reward_fn!r}: expected an existing PATH.py:FUNCTION")
+        spec = importlib.util.spec_from_file_location("user_reward", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        if not callable(getattr(module, fn_name, None)):
+            fail(f"--reward-fn: {path} has no function {fn_name!r}")
+        fns.append((fn_name, getattr(module, fn_name), 1.0))
+    return fns
+
+
+def score(texts: list[str], answers: list[str], lengths: list[int], reward_fns, a: Args):
+    """Rewards (n,) and each function's values. A reward that raises or is not finite stops the run, named."""
+    per_fn = {}
+    for name, fn, _ in reward_fns:
+        vals = []
+        for text, ans in zip(texts, answers):
+            try:
+                v = float(fn(text, ans))
+            except Exception as e:  # a user's reward: report which one and why, then stop
+                fail(f"reward {name!r} raised {type(e).__name__}: {e}")
+            if not math.isfinite(v):
+                fail(f"reward {name!r} returned {v} for a completion; rewards must be finite")
+            vals.append(v)
+        per_fn[name] = torch.tensor(vals)
+    total = sum((w * per_fn[name] for name, _, w in reward_fns), torch.zeros(len(texts)))
+    if a.overlong_penalty:  # DAPO §3.4, L_max = T
+        total += torch.tensor([R.overlong_penalty(n, a.max_new_tokens, a.overlong_buffer) for n in lengths])
+    return total, per_fn
+
+
+# ----------------------------------------------------------------------------- advantage
+def group_advantages(rewards: torch.Tensor, scale: str = "std", eps: float = 1e-6) -> torch.Tensor:
+    """rewards (B, G) -> adv (B, G). GRPO (2402.03300) §4.1.2: (R - mean) / (std + eps), std unbiased
+    (torch's default, as TRL and verl). scale='none', Dr. GRPO (2503.20783) §3.1: R - mean."""
+    adv = rewards - rewards.mean(1, keepdim=True)
+    return adv / (rewards.std(1, keepdim=True) + eps) if scale == "std" else adv
+
+
+def soft_weights(stds: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Dr. GRPO+ soft reweighting (seed 004): w_g = std_g / (max_g' std_g' + eps), over the step's groups."""
+    return stds / (stds.max() + eps)
+
+
+def keep_by_rank(counts: list[int], total: int) -> list[int]:
+    """Groups each rank keeps so the ranks together keep `total`, earlier ranks first."""
+    out = []
+    for c in counts:
+        out.append(min(c, max(0, total - sum(out))))
+    return out
+
+
+def rollout(model, tok, stream, reward_fns, pool, a: Args, rank=0, world=1, rng=None) -> tuple[list[dict], dict]:
+    """Generate and score this rank's groups for one step, then filter and compute advantages.
+    A group: one prompt, G = G_s student + G_t teacher rows, rewards (G,), adv (G,)."""
+    rng = rng or random.Random(a.seed + 1000 * rank)
+    groups, rounds, t_gen, t_rew, n_tokens = [], 0, 0.0, 0.0, 0
+    while True:
+        rounds += 1
+        batch = [next(stream) for _ in range(a.prompts_per_step)][rank::world]  # whole groups per rank
+        t0 = time.time()
+        texts = [chat_prompt(tok, ex["prompt"], a.system_prompt) for ex in batch]
+        prompts, comps, truncated = generate(model, tok, texts, a.num_generations, a)
+        t_gen += time.time() - t0
+        t0 = time.time()
+        G_s = a.num_generations
+        n_tokens += sum(len(c) for c in comps)
+        student = tok.batch_decode(comps, skip_special_tokens=True)
+        rewards, per_fn = score(student, [ex["answer"] for ex in batch for _ in range(G_s)],
+                                [len(c) for c in comps], reward_fns, a)
+        for i, ex in enumerate(batch):
+            rows = slice(i * G_s, (i + 1) * G_s)
+            g = dict(prompt_ids=prompts[i], completions=comps[rows], truncated=truncated[rows],
+                     rewards=rewards[rows], texts=student[rows], is_teacher=[False] * G_s,
+                     per_fn={k: v[rows] for k, v in per_fn.items()}, answer=ex["answer"])
+            if a.teacher_per_group:  # mixed pool, seed 003: cached completions, frozen rewards from the pool
+                picks = rng.sample(pool[ex["prompt"]], a.teacher_per_group)
+                cut = [teacher_completion(tok, text, tok.eos_token_id, a.max_new_tokens) for text, _ in picks]
+                g["completions"] = g["completions"] + [ids for ids, _ in cut]
+                g["truncated"] = g["truncated"] + [t for _, t in cut]
+                g["rewards"] = torch.cat([g["rewards"], torch.tensor([r for _, r in picks])])
+                g["texts"] = g["texts"] + [text for text, _ in picks]
+                g["is_teacher"] = g["is_teacher"] + [True] * a.teacher_per_group
+            groups.append(g)
+        t_rew += time.time() - t0
+        if not a.dynamic_sampling:
+            break
+        # DAPO §3.2: keep groups whose rewards are not all equal (0 < acc < 1); refill until B are kept
+        groups = [g for g in groups if g["rewards"].max() > g["rewards"].min()]
+        kept = int(all_sum(torch.tensor([len(groups)], device=model.device)).item())
+        if kept >= a.prompts_per_step or rounds >= a.max_gen_rounds:
+            groups = groups[: keep_by_rank(all_gather(len(groups)), a.prompts_per_step)[rank]]
+            break
+    # the step's filters and weights look at all ranks' groups: gather the per-group stds (small)
+    stds = [g["rewards"].std().item() for g in groups]
+    everyone = all_gather(stds)
+    all_stds = torch.tensor([s for r in everyone for s in r])
+    if a.top_k_groups and len(all_stds) > a.top_k_groups:  # seed 004 hard filter: the k most informative groups
+        top = set(torch.argsort(all_stds, descending=True, stable=True)[: a.top_k_groups].tolist())
+        offset = sum(len(r) for r in everyone[:rank])
+        groups = [g for i, g in enumerate(groups) if offset + i in top]
+        all_stds = all_stds[sorted(top)]
+    max_std = all_stds.max().item() if len(all_stds) else 0.0
+    weights = []
+    for g in groups:
+        g["adv"] = group_advantages(g["rewards"][None], a.scale, a.std_eps)[0]  # one advantage over G_s + G_t
+        if a.soft_reweight:
+            w = g["rewards"].std().item() / (max_std + a.std_eps)  # soft_weights() over all ranks' groups
+            g["adv"] = w * g["adv"]
+            weights.append(w)
+    n_kept = int(all_sum(torch.tensor([len(groups)], device=model.device)).item())
+    stats = {"groups/kept": n_kept, "groups/gen_rounds": rounds, "time/generate": t_gen, "time/reward": t_rew,
+             "completion/tokens": n_tokens}
+    if a.soft_reweight and weights:
+        stats.update({"adv/soft_weight_min": min(weights), "adv/soft_weight_mean": sum(weights) / len(weights),
+                      "adv/soft_weight_max": max(weights)})
+    return groups, stats
+
+
+def collate(groups: list[dict], pad_id: int, device) -> dict:
+    """Groups -> padded tensors: prompt left-padded, completion right-padded. N = sum of group sizes."""
+    prompts = [g["prompt_ids"] for g in groups for _ in g["completions"]]
+    comps = [c for g in groups for c in g["completions"]]
+    P, C = max(len(p) for p in prompts), max(len(c) for c in comps)
+    ids = torch.full((len(comps), P + C), pad_id, dtype=torch.long)
+    attn = torch.zeros(len(comps), P + C, dtype=torch.long)
+    mask = torch.zeros(len(comps), C)
+    for i, (p, c) in enumerate(zip(prompts, comps)):
+        ids[i, P - len(p):P], ids[i, P:P + len(c)] = p, c
+        attn[i, P - len(p):] = 1  # after-EOS padding stays attended: causal, masked out of the loss
+        mask[i, :len(c)] = 1
+    cat = lambda key: torch.cat([torch.as_tensor(g[key]) for g in groups])  # noqa: E731
+    equal = torch.tensor([bool(g["rewards"].max() == g["rewards"].min()) for g in groups for _ in g["completions"]])
+    return dict(input_ids=ids.to(device), attention_mask=attn.to(device), mask=mask.to(device),  # (N, P+C), (N, C)
+                adv=cat("adv").to(device), truncated=cat("truncated").to(device),  # (N,)
+                is_teacher=cat("is_teacher").to(device), zero_variance=equal.to(device))
+
+
+# ----------------------------------------------------------------------------- log-probs
+def token_logps(model, input_ids, attention_mask, n_completion: int, temperature: float = 1.0):
+    """Log-probs and entropy (N, C) of the last C tokens, from one forward over prompt + completion.
+    Logits only at the completion positions (logits_to_keep), fp32 one row at a time: no (N, C, V)
+    fp32 copy of the micro-batch. Position ids count real tokens, as generate() did with left padding."""
+    pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False,
+                   logits_to_keep=n_completion + 1).logits[:, :-1]  # (N, C, V): position t predicts token t+1
+    targets = input_ids[:, -n_completion:]  # (N, C)
+    logp, entropy = [], []
+    for row, tgt in zip(logits, targets):
+        row = row.float() / temperature  # (C, V)
+        lse = row.logsumexp(-1)
+        logp.append(row.gather(-1, tgt[:, None])[:, 0] - lse)
+        with torch.no_grad():  # entropy from the same logits: a metric, no extra pass
+            entropy.append(lse - (row.softmax(-1) * row).sum(-1))
+    return torch.stack(logp), torch.stack(entropy)
+
+
+@contextlib.contextmanager
+def reference(model, ref_model):
+    """The KL reference: the same weights with the LoRA adapter off (no second copy), else a frozen copy."""
+    if ref_model is not None:
+        yield ref_model
+    else:
+        with model.disable_adapter():
+            yield model
+
+
+# ----------------------------------------------------------------------------- loss
+def clipped_surrogate(logp, old_logp, adv, eps_low: float, eps_high: float):
+    """Per-token PPO/GRPO loss -min(r A, clip(r, 1-eps_low, 1+eps_high) A), r = exp(logp - old_logp).
+    eps_high > eps_low is DAPO (2503.14476) §3.1 clip-higher. adv broadcasts over tokens: (N, 1).
+    Returns the loss (N, C) and where the clip is active below (A < 0) and above (A > 0)."""
+    ratio = torch.exp(logp - old_logp)
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    loss = -torch.min(ratio * adv, clipped * adv)
+    return loss, (ratio < 1 - eps_low) & (adv < 0), (ratio > 1 + eps_high) & (adv > 0)
+
+
+def kl_k3(logp, ref_logp):
+    """Schulman's k3 estimator of KL(pi || ref), per token: exp(ref - logp) - (ref - logp) - 1 >= 0.
+    GRPO (2402.03300) eq. 4."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+def aggregate_loss(loss, mask, mode: str, max_len: int, n_seqs=None, n_tokens=None):
+    """Token losses (N, C) -> scalar, with verl's names. n_seqs / n_tokens are the normalisers of the
+    WHOLE step (every micro-batch, every rank); by default this batch's. Sequences with no loss
+    token count in neither.
+      token-mean               Σ_i Σ_t l / Σ_i |o_i|                DAPO §3.3
+      seq-mean-token-mean      Σ_i (Σ_t l / |o_i|) / n_seq          GRPO
+      seq-mean-token-sum       Σ_i Σ_t l / n_seq                    seed 004
+      seq-mean-token-sum-norm  Σ_i Σ_t l / (n_seq * max_len)        Dr. GRPO, max_len = T"""
+    n_seqs = (mask.sum(-1) > 0).sum() if n_seqs is None else n_seqs
+    n_tokens = mask.sum() if n_tokens is None else n_tokens
+    per_seq = (loss * mask).sum(-1)  # (N,)
+    if mode == "token-mean":
+        return per_seq.sum() / max(n_tokens, 1)
+    if mode == "seq-mean-token-mean":
+        per_seq = per_seq / mask.sum(-1).clamp(min=1)
+    return per_seq.sum() / (max(n_seqs, 1) * (max_len if mode == "seq-mean-token-sum-norm" else 1))
+
+
+# ----------------------------------------------------------------------------- step
+def edit_source_grads(g_s: list, g_t: list) -> list:
+    """FORKER: the per-source gradients, summed over micro-batches and ranks, before clipping and the
+    step. g_s + g_t is the full-batch gradient; inspect, project or drop either part here."""
+    return [s + t for s, t in zip(g_s, g_t)]
+
+
+def train_step(model, ref_model, opt, batch: dict | None, a: Args) -> dict:
+    """num_iterations optimizer steps on one rollout batch; returns the step's metrics (all ranks).
+    batch None: this rank kept no group this step, but joins the others' reductions."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    dev = params[0].device
+    mask = torch.zeros(0, 1, device=dev) if batch is None else batch["mask"]
+    if a.mask_truncated and batch is not None:  # DAPO §3.4 overlong filtering
+        mask = mask * ~batch["truncated"][:, None]
+    # normalisers of the whole step: every row (skipped ones too), summed over ranks
+    n_seqs, n_tokens = all_sum(torch.stack([(mask.sum(-1) > 0).sum().float(), mask.sum()])).tolist()
+    # zero-variance skip (seed 003): equal rewards -> adv = 0 -> no policy gradient; exact with beta = 0
+    rows = []
+    if batch is not None:
+        skip = batch["zero_variance"] & (a.skip_zero_variance and a.beta == 0)
+        rows = ((mask.sum(-1) > 0) & ~skip).nonzero()[:, 0].tolist()
+    chunks = [rows[i:i + a.micro_batch_size] for i in range(0, len(rows), a.micro_batch_size)]
+
+    def forward(idx, net):
+        return token_logps(net, batch["input_ids"][idx], batch["attention_mask"][idx], mask.shape[1], a.temperature)
+
+    old_logp, ref_logp = {}, {}
+    with torch.no_grad():
+        for idx in chunks:
+            if a.num_iterations > 1:  # computed once, before the first update
+                old_logp[tuple(idx)] = forward(idx, model)[0]
+            if a.beta > 0:
+                with reference(model, ref_model) as ref:
+                    ref_logp[tuple(idx)] = forward(idx, ref)[0]
+    sums = torch.zeros(7, device=dev)  # entropy, clip_low, clip_high, kl, loss (token sums), tokens, rows
+    for _ in range(a.num_iterations):
+        g_s = [torch.zeros_like(p) for p in params] if a.split_grads else None
+        g_t = [torch.zeros_like(p) for p in params] if a.split_grads else None
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        sums.zero_()
+        for idx in chunks:
+            m, adv = mask[idx], batch["adv"][idx][:, None]  # (n, C), (n, 1)
+            logp, entropy = forward(idx, model)
+            # num_iterations = 1: old_logp = logp.detach(), ratio = 1, no extra forward. For teacher rows
+            # the old policy is the CURRENT one too (ratio = 1 forced): on them this is advantage-weighted
+            # imitation of fixed completions, not on-policy GRPO (seed 003 review).
+            old = old_logp.get(tuple(idx), logp.detach())
+            loss, clip_low, clip_high = clipped_surrogate(logp, old, adv, a.eps_low, a.eps_high)
+            kl = kl_k3(logp, ref_logp[tuple(idx)]) if a.beta > 0 else torch.zeros_like(logp)
+            loss = loss + a.beta * kl
+            total = lambda part: aggregate_loss(loss, m * part, a.loss_agg, a.max_new_tokens, n_seqs, n_tokens)  # noqa
+            if a.split_grads:  # seed 003: same normaliser; grads harvested and reset between the passes,
+                teacher = batch["is_teacher"][idx][:, None].float()  # else the second holds g_s + g_t
+                for part, acc, last in ((1 - teacher, g_s, False), (teacher, g_t, True)):
+                    total(part).backward(retain_graph=not last)
+                    for p, g in zip(params, acc):
+                        g += p.grad
+                        p.grad.zero_()
+            else:
+                total(1).backward()
+            with torch.no_grad():
+                sums += torch.stack([(x.float() * m).sum() for x in (entropy, clip_low, clip_high, kl, loss)]
+                                    + [m.sum(), torch.tensor(len(idx), device=dev)])
+        # the gradient of the whole step is the SUM of the ranks' (each rank's loss already carries the
+        # global normaliser): one all_reduce per tensor after accumulation, where DDP would average inside
+        # backward. Ranks may run different numbers of micro-batches (zero-variance skip, refill), so the
+        # reduce happens once, here.
+        grads = (g_s + g_t) if a.split_grads else [p.grad for p in params]
+        for g in grads:
+            all_sum(g)
+        out = {}
+        if a.split_grads:
+            ns, nt = torch.sqrt(sum((g * g).sum() for g in g_s)), torch.sqrt(sum((g * g).sum() for g in g_t))
+            dot = sum((s * t).sum() for s, t in zip(g_s, g_t))
+            out = {"grad/norm_student": ns.item(), "grad/norm_teacher": nt.item(),
+                   "grad/cos_student_teacher": (dot / (ns * nt).clamp(min=1e-30)).item()}
+            for p, g in zip(params, edit_source_grads(g_s, g_t)):
+                p.grad = g
+        out["grad/norm"] = torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm or math.inf).item()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    s = all_sum(sums).tolist()
+    n = max(s[5], 1)
+    return {**out, "loss": s[4] / n, "policy/entropy": s[0] / n, "loss/clipfrac_low": s[1] / n,
+            "loss/clipfrac_high": s[2] / n, "kl": s[3] / n, "train/rows": s[6]}
+
+
+# ----------------------------------------------------------------------------- loop
+def group_metrics(groups: list[dict]) -> dict:
+    """Reward, accuracy and length metrics over all ranks' groups, per source in the mixed pool."""
+    rows = [(float(r), len(c), t, te, R.is_correct(x, g["answer"]))
+            for g in groups for r, c, t, te, x in zip(g["rewards"], g["completions"], g["truncated"],
+                                                       g["is_teacher"], g["texts"])]
+    rows = [r for rank_rows in all_gather(rows) for r in rank_rows]
+    if not rows:
+        return {"reward/mean": 0.0}
+    rew = torch.tensor([r[0] for r in rows])
+    out = {"reward/mean": rew.mean().item(), "reward/std": rew.std().item() if len(rows) > 1 else 0.0}
+    for src, sel in (("student", False), ("teacher", True)):
+        part = [r for r in rows if r[3] == sel]
+        if part and any(r[3] for r in rows):
+            out[f"reward/mean_{src}"] = sum(r[0] for r in part) / len(part)
+            out[f"completion/mean_length_{src}"] = sum(r[1] for r in part) / len(part)
+    student = [r for r in rows if not r[3]]
+    out.update({"accuracy": sum(r[4] for r in student) / len(student),
+                "completion/mean_length": sum(r[1] for r in student) / len(student),
+                "completion/max_length": max(r[1] for r in student),
+                "completion/truncated_frac": sum(r[2] for r in student) / len(student)})
+    per_fn = [{k: v.tolist() for k, v in g["per_fn"].items()} for g in groups]
+    for name in (per_fn[0] if per_fn else {}):
+        vals = [v for rank_fns in all_gather(per_fn) for d in rank_fns for v in d[name]]
+        out[f"reward/{name}"] = sum(vals) / len(vals)
+    return out
+
+
+@torch.no_grad()
+def evaluate(model, tok, examples: list[dict], a: Args, rank: int, world: int) -> dict:
+    """Greedy accuracy on held-out prompts, split over ranks."""
+    mine = examples[rank::world]
+    hits = 0
+    for i in range(0, len(mine), a.prompts_per_step * a.num_generations):
+        chunk = mine[i:i + a.prompts_per_step * a.num_generations]
+        _, comps, _ = generate(model, tok, [chat_prompt(tok, ex["prompt"], a.system_prompt) for ex in chunk], 1,
+                               a, greedy=True)
+        texts = tok.batch_decode(comps, skip_special_tokens=True)
+        hits += sum(R.is_correct(t, ex["answer"]) for t, ex in zip(texts, chunk))
+    return {"eval/accuracy": all_sum(torch.tensor([float(hits)], device=model.device)).item() / len(examples)}
+
+
+def save(model, tok, a: Args, step: int):
+    """Atomic: write beside, then swap in. An interrupted save leaves the previous checkpoint whole."""
+    final = os.path.join(a.output_dir, "checkpoint")
+    tmp, old = final + ".tmp", final + ".old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    with open(os.path.join(tmp, "grpo_args.json"), "w") as f:
+        json.dump({**dataclasses.asdict(a), "step": step}, f, indent=1)
+    if os.path.exists(final):
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    if a.dry_run:
+        print(json.dumps(dataclasses.asdict(a), indent=1))
+        print(describe_objective(a))
+        return
+    rank, world, device = setup_distributed()
+    if a.prompts_per_step % world:
+        fail(f"--prompts-per-step {a.prompts_per_step} must divide over {world} ranks (whole groups per rank)")
+    train, evals = load_data(a)
+    pool = load_teacher_pool(a, train) if a.teacher_pool else None
+    reward_fns = build_rewards(a)
+    score([train[0]["answer"], ""], [train[0]["answer"]] * 2, [1, 1], reward_fns, a)  # fail early, not at step 1
+    random.seed(a.seed)
+    torch.manual_seed(a.seed)  # same LoRA init on every rank
+    model, tok, ref_model = load_model(a, device)
+    opt = make_optimizer(a, model)
+    torch.manual_seed(a.seed + 1000 * rank)  # sampling differs per rank, repeats per run
+    stream, teacher_rng = prompt_stream(train, a.seed), random.Random(a.seed + 1000 * rank)
+    os.makedirs(a.output_dir, exist_ok=True)
+    log = open(os.path.join(a.output_dir, "metrics.jsonl"), "a") if rank == 0 else None
+    wandb = None
+    if a.wandb_project and rank == 0:
+        import wandb
+        wandb.init(project=a.wandb_project, config=dataclasses.asdict(a))
+    stop = []  # Ctrl-C: finish this step, save, exit; a second Ctrl-C stops at once
+    signal.signal(signal.SIGINT, lambda *_: stop.append(1) if not stop else signal.default_int_handler(*_))
+    from tqdm import tqdm
+    bar = tqdm(range(1, a.max_steps + 1), disable=rank != 0, desc=f"{a.algo}", dynamic_ncols=True)
+    for step in bar:
+        t0 = time.time()
+        groups, m = rollout(model, tok, stream, reward_fns, pool, a, rank, world, teacher_rng)
+        m.update(group_metrics(groups))
+        t1 = time.time()
+        if m["groups/kept"]:  # the same on every rank; 0 when dynamic sampling kept nothing by its cap
+            m.update(train_step(model, ref_model, opt, collate(groups, tok.pad_token_id, device) if groups else None, a))
+        m["time/train"] = time.time() - t1
+        m["completion/tokens"] = all_sum(torch.tensor([float(m["completion/tokens"])], device=device)).item()
+        m["tokens_per_second"] = m["completion/tokens"] / (time.time() - t0)
+        if a.eval_every and evals and step % a.eval_every == 0:
+            m.update(evaluate(model, tok, evals, a, rank, world))
+        stopping = bool(all_sum(torch.tensor([float(len(stop))], device=device)).item())
+        if rank == 0:
+            m = {"step": step, **m}
+            log.write(json.dumps(m) + "\n")
+            log.flush()
+            if wandb:
+                wandb.log(m, step=step)
+            bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{m.get('accuracy', 0):.2f}")
+            if (a.save_every and step % a.save_every == 0) or step == a.max_steps or stopping:
+                save(model, tok, a, step)
+        if stopping:
+            break
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

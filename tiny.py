@@ -1,0 +1,33 @@
+"""A tiny Qwen2 model and character-level tokenizer built locally (nothing is downloaded)."""
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
+
+
+def make_tokenizer(chat_template=CHAT_TEMPLATE, pad="<|endoftext|>"):
+    """Byte-level BPE with one token per byte and no merges: Qwen2's scheme, tiny."""
+    byte_chars = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {t: i for i, t in enumerate(SPECIALS + sorted(byte_chars))}
+    tk = Tokenizer(models.BPE(vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.add_special_tokens(SPECIALS)
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token=pad, unk_token="<|unk|>",
+                                   chat_template=chat_template)
+
+
+def make_tiny(path, layers=2, hidden=64, seed=0, **tok_kw):
+    torch.manual_seed(seed)
+    tok = make_tokenizer(**tok_kw)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = Qwen2ForCausalLM(cfg)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
