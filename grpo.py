@@ -66,7 +66,7 @@ class Args:
     # run
     algo: str = flag("grpo", "preset: grpo | drgrpo | dapo | drgrpo_soft (sets defaults; explicit flags win)")
     model: str = flag("Qwen/Qwen2.5-0.5B-Instruct", "hub id or local directory")
-    output_dir: str = flag("grpo_out", "checkpoint/, metrics.jsonl and args.json go here")
+    output_dir: str = flag("grpo_out", "checkpoint/ (adapter or model, tokenizer, grpo_args.json) and metrics.jsonl go here")
     max_steps: int = flag(200, "optimizer steps (x num_iterations)")
     seed: int = flag(0, "seeds data order, sampling (+1000*rank) and LoRA init")
     dry_run: bool = flag(False, "print the resolved flags and the objective they optimise, then exit")
@@ -369,6 +369,9 @@ def load_model(a: Args, device: torch.device):
     model = AutoModelForCausalLM.from_pretrained(a.model, **kw)
     if not a.load_in_4bit:
         model.to(device)
+    for m in model.modules():  # bitsandbytes on CPU repacks 4-bit weights in eval mode; training then fails
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = False
     eos = model.generation_config.eos_token_id  # chat models may end on several tokens
     model.eos_ids = sorted({tok.eos_token_id, *(eos if isinstance(eos, list) else [eos] if eos is not None else [])})
     if a.gradient_checkpointing:

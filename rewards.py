@@ -18,7 +18,6 @@ MAX_DIGITS = 40  # longer numbers are not answers; also keeps Fraction() cheap
 # ------------------------------------------------------------------------------ extraction
 _NUM = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?")
 _FRAC = re.compile(r"\\d?frac\{([^{}]{1,50})\}\{([^{}]{1,50})\}")
-_ANSWER_TAG = re.compile(r"<answer>(.{0,1000}?)</answer>", re.S)
 _HASHES = re.compile(r"####\s*([^\n]{1,200})")
 _THE_ANSWER = re.compile(r"answer is\s*:?\s*([^\n]{1,200})", re.I)
 _A_COLON = re.compile(r"(?:^|\n)[ \t]*A[ \t]*:[ \t]*([^\n]{1,200})")
@@ -37,11 +36,19 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
+def last_answer_tag(text: str) -> str | None:
+    """Content of the last <answer>...</answer>."""
+    end = text.rfind("</answer>")
+    start = text.rfind("<answer>", 0, max(end, 0))
+    return text[start + len("<answer>"):end] if 0 <= start < end else None
+
+
 def extract_answer(text: str) -> str | None:
     """The final answer's text, by the first rule that matches:
     \\boxed{}, <answer>...</answer>, '#### N', 'the answer is N', 'A: N', else the last number."""
     found = last_boxed(text)
-    for pattern in (_ANSWER_TAG, _HASHES, _THE_ANSWER, _A_COLON):
+    found = last_answer_tag(text) if found is None else found
+    for pattern in (_HASHES, _THE_ANSWER, _A_COLON):
         if found is not None:
             break
         matches = pattern.findall(text)

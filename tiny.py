@@ -31,3 +31,28 @@ def make_tiny(path, layers=2, hidden=64, seed=0, **tok_kw):
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+def fixed_groups(tok, rewards, a, seed=0, teacher_per_group=0):
+    """Groups as grpo.rollout() makes them, with seeded random completions instead of samples:
+    rewards (B, G) given, advantages from grpo.group_advantages. Last teacher_per_group rows of each
+    group are marked teacher."""
+    import random
+    import grpo
+    rng = random.Random(seed)
+    groups = []
+    for b, rs in enumerate(torch.as_tensor(rewards, dtype=torch.float32)):
+        text = grpo.chat_prompt(tok, f"What is {b} + {b * 7 % 10}?" + " pad" * (b % 3), a.system_prompt)
+        prompt_ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+        comps, truncated = [], []
+        for _ in rs:
+            n = rng.randint(1, a.max_new_tokens)
+            ids = [rng.randrange(4, len(tok)) for _ in range(n)] + [tok.eos_token_id]
+            comps.append(torch.tensor(ids[:a.max_new_tokens]))
+            truncated.append(len(ids) > a.max_new_tokens)
+        G = len(rs)
+        groups.append(dict(prompt_ids=prompt_ids, completions=comps, truncated=truncated, rewards=rs,
+                           texts=[""] * G, per_fn={}, answer="0",
+                           is_teacher=[i >= G - teacher_per_group for i in range(G)],
+                           adv=grpo.group_advantages(rs[None], a.scale, a.std_eps)[0]))
+    return groups

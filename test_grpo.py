@@ -1,0 +1,488 @@
+"""Tests for grpo.py and rewards.py, on a CPU in a few minutes. Nothing is downloaded: a tiny Qwen2
+model and tokenizer are built locally (tiny.py) and loaded through the real loading code.
+
+Three tiers: pure functions against hand-computed values; the tiny model in-process (gradients,
+log-probs, sampling); grpo.py run as a subprocess per preset and mode."""
+import copy
+from dataclasses import replace
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import grpo
+import rewards as R
+import tiny
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TINY = ["--max-new-tokens", "12", "--prompts-per-step", "2", "--num-generations", "4", "--eval-prompts", "4",
+        "--eval-every", "2", "--micro-batch-size", "3", "--learning-rate", "1e-3"]
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    return tiny.make_tiny(str(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+@pytest.fixture(scope="session")
+def loaded(tiny_dir):
+    a = grpo.parse_args(["--model", tiny_dir, "--algo", "drgrpo"] + TINY)
+    model, tok, _ = grpo.load_model(a, torch.device("cpu"))
+    return a, model, tok
+
+
+def run(args, cwd=HERE, check=True, timeout=300):
+    p = subprocess.run([sys.executable, os.path.join(HERE, "grpo.py")] + args, cwd=cwd, capture_output=True,
+                       text=True, timeout=timeout)
+    if check and p.returncode != 0:
+        raise AssertionError(p.stdout[-3000:] + p.stderr[-3000:])
+    return p
+
+
+def metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+# ----------------------------------------------------------------------------- tier 1: pure functions
+def test_group_advantages_by_hand():
+    r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 5.0]])
+    # group 1: mean 0.5, unbiased std sqrt(4 * 0.25 / 3); group 2: mean 2.75, std sqrt((3*.5625 + 5.0625)/3)
+    s1, s2 = math.sqrt(1 / 3), math.sqrt((3 * 0.5625 + 5.0625) / 3)
+    want_std = torch.tensor([[0.5 / s1, -0.5 / s1, -0.5 / s1, 0.5 / s1],
+                             [-0.75 / s2, -0.75 / s2, -0.75 / s2, 2.25 / s2]])
+    assert torch.allclose(grpo.group_advantages(r, "std", eps=0), want_std, atol=1e-6)
+    want_none = torch.tensor([[0.5, -0.5, -0.5, 0.5], [-0.75, -0.75, -0.75, 2.25]])
+    assert torch.allclose(grpo.group_advantages(r, "none"), want_none)
+    assert torch.equal(grpo.group_advantages(torch.ones(1, 4), "std"), torch.zeros(1, 4))  # no 0/0
+
+
+def test_soft_weights_by_hand():
+    w = grpo.soft_weights(torch.tensor([0.5, 0.25, 0.0]), eps=0)
+    assert torch.allclose(w, torch.tensor([1.0, 0.5, 0.0]))
+
+
+LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+
+
+@pytest.mark.parametrize("mode, want", [
+    ("token-mean", (1 + 2 + 4) / 3),                  # all tokens of the batch
+    ("seq-mean-token-mean", ((1 + 2) / 2 + 4 / 1) / 2),  # per sequence, then over sequences
+    ("seq-mean-token-sum", ((1 + 2) + 4) / 2),
+    ("seq-mean-token-sum-norm", ((1 + 2) + 4) / (2 * 4)),  # / (n_seq * T), T = 4
+])
+def test_aggregate_loss_by_hand(mode, want):
+    assert grpo.aggregate_loss(LOSS, MASK, mode, max_len=4).item() == pytest.approx(want)
+
+
+@pytest.mark.parametrize("mode", grpo.LOSS_AGGS)
+def test_aggregate_loss_micro_batches_sum_to_full_batch(mode):
+    """With the step's normalisers passed in, micro-batch losses (hence gradients) add up to the full one."""
+    torch.manual_seed(0)
+    w = torch.randn(6, 5, requires_grad=True)
+    mask = (torch.rand(6, 5) > 0.3).float()
+    mask[2] = 0  # a sequence with no loss token counts in no normaliser
+    full = grpo.aggregate_loss(w ** 2, mask, mode, 5)
+    g_full, = torch.autograd.grad(full, w)
+    n_seqs, n_tokens = (mask.sum(-1) > 0).sum(), mask.sum()
+    parts = sum(grpo.aggregate_loss(w[i:i + 2] ** 2, mask[i:i + 2], mode, 5, n_seqs, n_tokens) for i in (0, 2, 4))
+    g_parts, = torch.autograd.grad(parts, w)
+    assert parts.item() == pytest.approx(full.item())
+    assert torch.allclose(g_parts, g_full)
+
+
+def test_clipped_surrogate_by_hand():
+    ratio = torch.tensor([[1.5, 0.5, 0.5, 1.5, 1.1]])
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0, 1.0]])
+    loss, low, high = grpo.clipped_surrogate(ratio.log(), torch.zeros_like(ratio), adv, 0.2, 0.28)
+    # -min(r A, clip(r, 0.8, 1.28) A), term by term
+    want = torch.tensor([[-1.28, 0.8, -0.5, 1.5, -1.1]])
+    assert torch.allclose(loss, want, atol=1e-6)
+    assert low.tolist() == [[False, True, False, False, False]]
+    assert high.tolist() == [[True, False, False, False, False]]
+    # clipped tokens carry no gradient, unclipped ones carry -A * r
+    logp = ratio.log().requires_grad_()
+    grpo.clipped_surrogate(logp, torch.zeros_like(logp), adv, 0.2, 0.28)[0].sum().backward()
+    assert torch.allclose(logp.grad, torch.tensor([[0.0, 0.0, -0.5, 1.5, -1.1]]), atol=1e-6)
+
+
+def test_kl_k3_by_hand_and_unbiased():
+    assert grpo.kl_k3(torch.tensor(math.log(0.5)), torch.tensor(math.log(0.25))).item() == pytest.approx(
+        0.5 - math.log(0.5) - 1)
+    # E_{x~pi}[k3(x)] = KL(pi || ref) exactly, over a categorical
+    pi, ref = torch.tensor([0.1, 0.2, 0.7]), torch.tensor([0.3, 0.3, 0.4])
+    expectation = (pi * grpo.kl_k3(pi.log(), ref.log())).sum()
+    assert expectation.item() == pytest.approx((pi * (pi / ref).log()).sum().item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("length, want", [(10, 0.0), (80, 0.0), (90, -0.5), (95, -0.75), (100, -1.0), (150, -1.0)])
+def test_overlong_penalty_dapo_eq13(length, want):
+    assert R.overlong_penalty(length, max_len=100, buffer=20) == pytest.approx(want)
+
+
+@pytest.mark.parametrize("pad", [2, 0])  # pad == eos, pad != eos
+def test_completion_mask_keeps_first_eos(pad):
+    eos = 2
+    ids = torch.tensor([[5, 6, eos, pad, pad], [5, eos, 7, eos, pad], [5, 6, 7, 8, 9], [eos, pad, pad, pad, pad]])
+    mask, truncated = grpo.completion_mask(ids, [eos])
+    assert mask.int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    assert truncated.tolist() == [False, False, True, False]
+
+
+def test_completion_mask_several_eos_ids():
+    mask, truncated = grpo.completion_mask(torch.tensor([[4, 9, 3, 3], [4, 3, 9, 9]]), [3, 9])
+    assert mask.int().tolist() == [[1, 1, 0, 0], [1, 1, 0, 0]] and not truncated.any()
+
+
+@pytest.mark.parametrize("text, answer", [
+    ("so the total is \\boxed{42}.", "42"),
+    ("\\boxed{\\frac{3}{4}}", "0.75"),
+    ("\\boxed{1,000}", "1000"),
+    ("<think>5+5</think><answer>10</answer>", "10"),
+    ("Natalia sold 48 clips.\n#### 72", "72"),
+    ("I think the answer is $18.00.", "18"),
+    ("The answer is: -3", "-3"),
+    ("Q: what?\nA: 7 apples", "7"),
+    ("first 3, then 4, finally 12", "12"),
+    ("\\boxed{\\$1,250}", "1250"),
+    ("\\boxed{25\\%}", "25"),
+    ("\\boxed{3/6}", "1/2"),
+    ("\\boxed{12 \\text{ cm}}", "12"),
+    ("\\boxed{\\dfrac{10}{4}}", "2.5"),
+    ("answer: 7.0", "7"),
+])
+def test_correct_reward_formats(text, answer):
+    assert R.correct(text, answer) == 1.0
+    assert R.correct_pm1(text, answer) == 1.0
+    assert R.correct(text, "99999") == 0.0 and R.correct_pm1(text, "99999") == -1.0
+
+
+def test_correct_reward_wrong_and_missing():
+    assert R.correct("\\boxed{41}", "42") == 0.0
+    assert R.correct("no number at all", "42") == 0.0
+    assert R.correct("\\boxed{}", "42") == 0.0
+    assert R.correct("the answer is 42 but \\boxed{41}", "42") == 0.0  # \boxed wins
+
+
+def test_gsm8k_reference_answer():
+    assert R.reference_answer("She has 3 + 4 = <<3+4=7>>7 ...\n#### 1,234") == "1,234"
+    assert R.correct("\\boxed{1234}", R.reference_answer("x\n#### 1,234")) == 1.0
+
+
+def test_format_reward():
+    assert R.r1_format("<think>a</think>\n<answer>3</answer>", "3") == 1.0
+    assert R.r1_format("<think>a</think> trailing <answer>3</answer>", "3") == 0.0
+    assert R.r1_format("<answer>3</answer>", "3") == 0.0
+
+
+@pytest.mark.parametrize("text", [
+    "9" * 1_000_000, "\\boxed{" + "9" * 100_000 + "}", "1e999999", "{" * 200_000 + "\\boxed{" * 1000,
+    "\n" * 500_000 + "A", "<answer>" * 100_000, "__import__('os').system('echo pwned') \\boxed{__import__('os')}",
+    "\\boxed{2**10**10}", "#" * 300_000, "</think>" * 100_000 + "<answer>", "٣٤ ½ ∞ \\boxed{\u0663}", "1/0",
+], ids=lambda t: repr(t[:12]) + f"x{len(t)}")
+def test_adversarial_text_is_finite_and_fast(text):
+    t0 = time.time()
+    for fn in R.REWARDS.values():
+        assert math.isfinite(fn(text, "42"))
+    assert time.time() - t0 < 1.0
+
+
+# ----------------------------------------------------------------------------- flags
+def test_presets_and_explicit_flags_win():
+    for algo, preset in grpo.PRESETS.items():
+        a = grpo.parse_args(["--algo", algo])
+        assert all(getattr(a, k) == v for k, v in preset.items())
+    a = grpo.parse_args(["--algo", "dapo", "--eps-high", "0.3", "--no-dynamic-sampling", "--loss-agg", "seq-mean-token-sum"])
+    assert (a.eps_high, a.dynamic_sampling, a.loss_agg, a.eps_low) == (0.3, False, "seq-mean-token-sum", 0.2)
+    assert a.overlong_buffer == a.max_new_tokens // 5  # derived after parsing
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--algo", "ppo"], "--algo"),
+    (["--loss-agg", "mean"], "--loss-agg"),
+    (["--load-in-4bit", "--lora-r", "0"], "--lora-r"),
+    (["--split-grads"], "--teacher-pool"),
+    (["--teacher-per-group", "2"], "--teacher-pool"),
+    (["--num-generations", "1"], "--num-generations"),
+    (["--top-k-groups", "9"], "--top-k-groups"),
+    (["--optim", "sgd"], "--optim"),
+])
+def test_impossible_flags_fail_with_a_sentence(argv, says):
+    with pytest.raises(SystemExit, match=says):
+        grpo.parse_args(argv)
+
+
+def test_dry_run_prints_the_objective(capsys):
+    grpo.main(["--algo", "drgrpo", "--dry-run"])
+    out = capsys.readouterr().out
+    assert "1/(n_seq·256) Σ_i Σ_t min(r·A_i, clip(r, 1-0.2, 1+0.2)·A_i)" in out
+    assert "A_i = R_i - mean_g(R)" in out and "/ (std" not in out
+    grpo.main(["--algo", "dapo", "--dry-run"])
+    out = capsys.readouterr().out
+    assert "1/Σ|o_i|" in out and "1+0.28" in out and "dynamic sampling" in out and "overlong" in out
+
+
+# ----------------------------------------------------------------------------- bad input
+def write(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return str(path)
+
+
+@pytest.mark.parametrize("lines, says", [
+    (['{"prompt": "a", "answer": "1"}', '{"prompt": "b", "answer": '], "bad.jsonl:2: not valid JSON"),
+    (['{"prompt": "a", "answer": "1"}', '{"prompt": "b"}'], "bad.jsonl:2: each line needs the fields prompt, answer"),
+    (["", "  "], "bad.jsonl: no examples"),
+])
+def test_bad_dataset_names_file_and_line(tmp_path, lines, says):
+    with pytest.raises(SystemExit, match=says):
+        grpo.main(["--dataset", write(tmp_path / "bad.jsonl", lines), "--model", "/nonexistent"])
+
+
+@pytest.mark.parametrize("body, says", [
+    ("def r(c, a):\n    raise KeyError('x')\n", "reward 'r' raised KeyError"),
+    ("def r(c, a):\n    return float('nan')\n", "reward 'r' returned nan"),
+])
+def test_bad_reward_is_named_before_training(tmp_path, body, says):
+    (tmp_path / "rw.py").write_text(body)
+    with pytest.raises(SystemExit, match=says):
+        grpo.main(["--reward-fn", f"{tmp_path}/rw.py:r", "--model", "/nonexistent", "--output-dir", str(tmp_path)])
+    assert not os.path.exists(tmp_path / "checkpoint")
+
+
+def test_custom_reward_alone_unless_rewards_given(tmp_path):
+    (tmp_path / "rw.py").write_text("def length(c, a, **kw):\n    return len(c) / 10\n")
+    a = grpo.parse_args(["--reward-fn", f"{tmp_path}/rw.py:length"])
+    assert [n for n, _, _ in grpo.build_rewards(a)] == ["length"]
+    a = grpo.parse_args(["--reward-fn", f"{tmp_path}/rw.py:length", "--rewards", "correct:1,format:0.5"])
+    fns = grpo.build_rewards(a)
+    assert [(n, w) for n, _, w in fns] == [("correct", 1.0), ("format", 0.5), ("length", 1.0)]
+    total, per_fn = grpo.score(["\\boxed{3} xx"], ["3"], [5], fns, a)
+    assert total.item() == pytest.approx(1.0 + 0 + 1.2) and per_fn["length"].item() == pytest.approx(1.2)
+
+
+def test_gsm8k_format_jsonl(tmp_path):
+    path = write(tmp_path / "g.jsonl", ['{"question": "2+2?", "answer": "2+2=<<2+2=4>>4\\n#### 4"}'])
+    assert grpo.load_examples(path) == [{"prompt": "2+2?", "answer": "4"}]
+
+
+# ----------------------------------------------------------------------------- tier 2: tiny model in-process
+def test_train_logps_match_the_sampler(loaded):
+    """The training forward (left padding, position ids, logits_to_keep) gives the log-probs the sampler
+    used: otherwise ratio = 1 would be a lie."""
+    a, model, tok = loaded
+    from transformers import GenerationConfig
+    texts = [grpo.chat_prompt(tok, q, "") for q in ("1+1?", "a much longer question, 12 + 30?")]
+    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    torch.manual_seed(0)
+    out = model.generate(**enc, generation_config=GenerationConfig(
+        max_new_tokens=8, do_sample=True, top_k=0, pad_token_id=tok.pad_token_id, eos_token_id=model.eos_ids),
+        output_logits=True, return_dict_in_generate=True)
+    comp = out.sequences[:, enc.input_ids.shape[1]:]
+    sampler = torch.stack(out.logits, 1).log_softmax(-1).gather(-1, comp[..., None])[..., 0]
+    attn = torch.cat([enc.attention_mask, torch.ones_like(comp)], 1)
+    logp, entropy = grpo.token_logps(model, out.sequences, attn, comp.shape[1])
+    mask, _ = grpo.completion_mask(comp, model.eos_ids)
+    assert torch.allclose(logp[mask], sampler[mask], atol=1e-4)
+    assert (entropy > 0).all() and (entropy <= math.log(len(tok)) + 1e-4).all()
+
+
+def test_reference_is_the_base_model(tiny_dir):
+    """KL reference = the adapter disabled: equals the base model's log-probs, not the adapted ones."""
+    a = grpo.parse_args(["--model", tiny_dir, "--beta", "0.1"] + TINY)
+    model, tok, ref = grpo.load_model(a, torch.device("cpu"))
+    assert ref is None  # LoRA: no second copy
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_()  # a non-zero adapter
+        ids = torch.randint(4, len(tok), (3, 20))
+        attn = torch.ones_like(ids)
+        with grpo.reference(model, None) as r:
+            ref_logp = grpo.token_logps(r, ids, attn, 8)[0]
+        base_logp = grpo.token_logps(base, ids, attn, 8)[0]
+        policy_logp = grpo.token_logps(model, ids, attn, 8)[0]
+    assert torch.allclose(ref_logp, base_logp, atol=1e-5)
+    assert not torch.allclose(policy_logp, base_logp, atol=1e-3)
+
+
+def sgd_update(model, a, groups, pad_id):
+    """The parameter change of one train_step with SGD(lr=1) and no clipping: minus the gradient."""
+    model = copy.deepcopy(model)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    before = {n: p.detach().clone() for n, p in params.items()}
+    opt = torch.optim.SGD(params.values(), lr=1.0)
+    m = grpo.train_step(model, None, opt, grpo.collate(groups, pad_id, torch.device("cpu")), a)
+    return {n: p.detach() - before[n] for n, p in params.items()}, m
+
+
+def assert_same_update(u, v):
+    for n in u:
+        assert torch.allclose(u[n], v[n], rtol=1e-4, atol=1e-8), n
+
+
+REWARDS = [[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]]
+
+
+@pytest.mark.parametrize("agg", grpo.LOSS_AGGS)
+def test_micro_batches_give_the_one_batch_gradient(loaded, agg):
+    a, model, tok = loaded
+    a = replace(a, loss_agg=agg, max_grad_norm=0.0, max_new_tokens=6, scale="std")
+    groups = tiny.fixed_groups(tok, REWARDS, a)
+    whole, m1 = sgd_update(model, replace(a, micro_batch_size=16), groups, tok.pad_token_id)
+    micro, m2 = sgd_update(model, replace(a, micro_batch_size=3), groups, tok.pad_token_id)
+    assert_same_update(whole, micro)
+    assert m1["grad/norm"] > 0 and m1["grad/norm"] == pytest.approx(m2["grad/norm"], rel=1e-4)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_zero_variance_skip_leaves_the_gradient_unchanged(loaded, agg):
+    a, model, tok = loaded
+    a = replace(a, loss_agg=agg, max_grad_norm=0.0, max_new_tokens=6)
+    groups = tiny.fixed_groups(tok, REWARDS, a)
+    skipped, m1 = sgd_update(model, replace(a, skip_zero_variance=True), groups, tok.pad_token_id)
+    full, m2 = sgd_update(model, replace(a, skip_zero_variance=False), groups, tok.pad_token_id)
+    assert (m1["train/rows"], m2["train/rows"]) == (8, 16)  # two of four groups skipped
+    assert_same_update(skipped, full)
+
+
+def test_parameters_change_after_one_step(loaded):
+    a, model, tok = loaded
+    model = copy.deepcopy(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    groups = tiny.fixed_groups(tok, REWARDS, a)
+    grpo.train_step(model, None, grpo.make_optimizer(a, model), grpo.collate(groups, tok.pad_token_id, "cpu"), a)
+    changed = [n for n, p in model.named_parameters() if p.requires_grad and not torch.equal(p, before[n])]
+    assert all("lora" in n for n in before)  # only the adapter trains
+    # B starts at 0, so dL/dA = 0 at step one: every B changes, A only from step two
+    assert changed == [n for n in before if "lora_B" in n] and changed
+
+
+def test_num_iterations_uses_old_logp_from_before_the_first_update(loaded):
+    """With 2 iterations the second update sees ratio != 1 (old_logp frozen before the first)."""
+    a, model, tok = loaded
+    a = replace(a, num_iterations=2, learning_rate=0.05, max_grad_norm=0.0, eps_low=1e-4, eps_high=1e-4)
+    model = copy.deepcopy(model)
+    m = grpo.train_step(model, None, grpo.make_optimizer(a, model),
+                        grpo.collate(tiny.fixed_groups(tok, REWARDS, a), tok.pad_token_id, "cpu"), a)
+    assert m["loss/clipfrac_low"] + m["loss/clipfrac_high"] > 0  # the second pass is off-policy and clips
+
+
+def stub_reward(schedule):
+    """A reward whose value depends on how many times it was called: round r, group g, row j."""
+    calls = []
+
+    def fn(text, answer):
+        calls.append(1)
+        return schedule(len(calls) - 1)
+    return fn
+
+
+def rollout(a, model, tok, fn, pool=None):
+    stream = grpo.prompt_stream(grpo.arithmetic_task(100, 0), 0)
+    return grpo.rollout(model, tok, stream, [("stub", fn, 1.0)], pool, a)
+
+
+def test_dynamic_sampling_refills_to_b_groups(loaded):
+    a, model, tok = loaded
+    a = replace(a, prompts_per_step=4, num_generations=2, dynamic_sampling=True, max_gen_rounds=5)
+    per_round = 4 * 2
+    # round 0: every group equal (all dropped); rounds 1+: even groups differ, odd groups equal
+    fn = stub_reward(lambda i: 0.0 if i < per_round else float((i % per_round) // 2 % 2 == 0 and i % 2))
+    groups, stats = rollout(a, model, tok, fn)
+    assert (stats["groups/kept"], stats["groups/gen_rounds"], len(groups)) == (4, 3, 4)
+    assert all(g["rewards"].tolist() == [0.0, 1.0] for g in groups)
+
+
+def test_dynamic_sampling_keeps_exactly_b_and_stops_at_the_cap(loaded):
+    a, model, tok = loaded
+    a = replace(a, prompts_per_step=4, num_generations=2, dynamic_sampling=True, max_gen_rounds=3)
+    groups, stats = rollout(a, model, tok, stub_reward(lambda i: float(i % 2)))  # every group differs
+    assert (stats["groups/kept"], stats["groups/gen_rounds"]) == (4, 1)
+    groups, stats = rollout(a, model, tok, stub_reward(lambda i: 1.0))  # never a useful group
+    assert (stats["groups/kept"], stats["groups/gen_rounds"], groups) == (0, 3, [])
+
+
+def test_top_k_and_soft_reweighting(loaded):
+    a, model, tok = loaded
+    a = replace(a, prompts_per_step=4, num_generations=2, top_k_groups=2, soft_reweight=True, scale="none")
+    spread = [0.0, 3.0, 0.0, 1.0, 0.0, 2.0, 5.0, 5.0]  # group stds ∝ 3, 1, 2, 0
+    groups, stats = rollout(a, model, tok, stub_reward(lambda i: spread[i]))
+    assert [g["rewards"].tolist() for g in groups] == [[0.0, 3.0], [0.0, 2.0]]
+    # Dr. GRPO advantages R - mean, times std_g / max std over the kept groups (3/√2 and 2/√2 -> 1 and 2/3)
+    assert torch.cat([g["adv"] for g in groups]).tolist() == pytest.approx([-1.5, 1.5, -2 / 3, 2 / 3], rel=1e-5)
+    assert (stats["adv/soft_weight_min"], stats["adv/soft_weight_max"]) == pytest.approx((2 / 3, 1.0), rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- tier 3: grpo.py runs
+KEYS = ["step", "reward/mean", "reward/std", "completion/mean_length", "completion/truncated_frac", "policy/entropy",
+        "loss/clipfrac_low", "loss/clipfrac_high", "kl", "grad/norm", "groups/kept", "time/generate", "time/reward",
+        "time/train", "tokens_per_second", "accuracy", "eval/accuracy"]
+
+
+def answer_reward(tmp_path):
+    """A dense reward so a random tiny model sees differing rewards (and so gradients) in every group."""
+    (tmp_path / "rw.py").write_text("def digits(c, a, **kw):\n    return sum(ch.isdigit() for ch in c) / 10\n")
+    return ["--reward-fn", f"{tmp_path}/rw.py:digits", "--rewards", "correct"]
+
+
+@pytest.mark.parametrize("algo", list(grpo.PRESETS))
+def test_each_preset_trains_two_steps_and_saves_a_loadable_adapter(tiny_dir, tmp_path, algo):
+    out = str(tmp_path / "out")
+    run(["--algo", algo, "--model", tiny_dir, "--max-steps", "2", "--output-dir", out] + TINY + answer_reward(tmp_path))
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    assert not [k for k in KEYS if k not in rows[-1]]
+    assert rows[0]["grad/norm"] > 0 and rows[0]["policy/entropy"] > 0
+    import peft
+    from transformers import AutoModelForCausalLM
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dir), out + "/checkpoint")
+    assert any(p.abs().sum() > 0 for n, p in model.named_parameters() if "lora_B" in n)  # trained, saved, loaded
+    args = json.load(open(out + "/checkpoint/grpo_args.json"))
+    assert args["algo"] == algo and args["step"] == 2
+
+
+@pytest.mark.parametrize("extra", [["--load-in-4bit"], ["--optim", "adamw_8bit"], ["--optim", "paged_adamw_8bit"],
+                                   ["--lora-r", "0", "--beta", "0.04", "--gradient-checkpointing"]])
+def test_memory_options_train(tiny_dir, tmp_path, extra):
+    out = str(tmp_path / "out")
+    run(["--algo", "grpo", "--model", tiny_dir, "--max-steps", "2", "--output-dir", out] + TINY + extra
+        + answer_reward(tmp_path))
+    rows = metrics(out)
+    assert len(rows) == 2 and rows[0]["grad/norm"] > 0 and math.isfinite(rows[1]["kl"])
+
+
+def test_same_seed_same_metrics(tiny_dir, tmp_path):
+    def go(name):
+        out = str(tmp_path / name)
+        run(["--algo", "dapo", "--model", tiny_dir, "--max-steps", "2", "--output-dir", out, "--seed", "3"] + TINY
+            + answer_reward(tmp_path))
+        return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_second"}
+                for r in metrics(out)]
+    assert go("a") == go("b")
+
+
+def test_ctrl_c_leaves_a_loadable_checkpoint(tiny_dir, tmp_path):
+    out = str(tmp_path / "out")
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, "grpo.py"), "--model", tiny_dir, "--max-steps", "10000",
+                          "--output-dir", out, "--save-every", "0"] + TINY, cwd=HERE,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (os.path.exists(out + "/metrics.jsonl") and os.path.getsize(out + "/metrics.jsonl")):
+        assert time.time() < deadline and p.poll() is None, p.stderr.read() if p.poll() is not None else "timeout"
+        time.sleep(0.2)
+    p.send_signal(signal.SIGINT)
+    assert p.wait(timeout=120) == 0
+    step = json.load(open(out + "/checkpoint/grpo_args.json"))["step"]
+    assert step == metrics(out)[-1]["step"] < 10000
+    import peft
+    from transformers import AutoModelForCausalLM
+    peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dir), out + "/checkpoint")
