@@ -486,3 +486,108 @@ def test_ctrl_c_leaves_a_loadable_checkpoint(tiny_dir, tmp_path):
     import peft
     from transformers import AutoModelForCausalLM
     peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dir), out + "/checkpoint")
+
+
+# ----------------------------------------------------------------------------- mixed student + teacher pool
+def test_split_grads_sum_to_the_full_batch_gradient(loaded):
+    """g_s + g_t (same normaliser, several micro-batches) equals the gradient of the full loss."""
+    a, model, tok = loaded
+    a = replace(a, max_grad_norm=0.0, micro_batch_size=3, max_new_tokens=6, teacher_per_group=2,
+                teacher_pool="pool.jsonl")
+    groups = tiny.fixed_groups(tok, REWARDS, a, teacher_per_group=2)
+    split, m = sgd_update(model, replace(a, split_grads=True), groups, tok.pad_token_id)
+    full, m_full = sgd_update(model, a, groups, tok.pad_token_id)
+    assert_same_update(split, full)
+    ns, nt, cos = m["grad/norm_student"], m["grad/norm_teacher"], m["grad/cos_student_teacher"]
+    assert ns > 0 and nt > 0 and -1 <= cos <= 1
+    assert m["grad/norm"] ** 2 == pytest.approx(ns ** 2 + nt ** 2 + 2 * ns * nt * cos, rel=1e-4)
+    assert m["grad/norm"] == pytest.approx(m_full["grad/norm"], rel=1e-4)
+
+
+def test_skipping_the_reset_between_passes_double_counts_g_s(loaded):
+    """Why train_step zeroes .grad between the two backwards: grad accumulates."""
+    a, model, tok = loaded
+    a = replace(a, max_new_tokens=6)
+    model = copy.deepcopy(model)
+    batch = grpo.collate(tiny.fixed_groups(tok, REWARDS[:1], a, teacher_per_group=2), tok.pad_token_id, "cpu")
+    params = [p for p in model.parameters() if p.requires_grad]
+    logp, _ = grpo.token_logps(model, batch["input_ids"], batch["attention_mask"], batch["mask"].shape[1])
+    loss = grpo.clipped_surrogate(logp, logp.detach(), batch["adv"][:, None], 0.2, 0.2)[0]
+    teacher = batch["is_teacher"][:, None].float()
+    part = lambda w: grpo.aggregate_loss(loss, batch["mask"] * w, "token-mean", 6, 4, batch["mask"].sum())  # noqa
+    full = torch.autograd.grad(part(1.0), params, retain_graph=True)
+    g_s = torch.autograd.grad(part(1 - teacher), params, retain_graph=True)
+    part(1 - teacher).backward(retain_graph=True)  # naive: no reset before the teacher pass
+    part(teacher).backward()
+    naive_g_t = [p.grad for p in params]
+    naive = [s + t for s, t in zip(g_s, naive_g_t)]
+    assert all(torch.allclose(n, f + s, atol=1e-7) for n, f, s in zip(naive, full, g_s))  # full + an extra g_s
+    assert not all(torch.allclose(n, f, atol=1e-7) for n, f in zip(naive, full))
+
+
+def test_teacher_rewards_come_from_the_pool_and_share_the_group_advantage(loaded):
+    a, model, tok = loaded
+    data = grpo.arithmetic_task(100, 0)
+    pool = {ex["prompt"]: [("<think>t</think><answer>1</answer>", 1.0), ("I give up", 0.25)] for ex in data}
+    a = replace(a, prompts_per_step=2, num_generations=2, teacher_per_group=2, teacher_pool="x", scale="none")
+    groups, _ = rollout(a, model, tok, stub_reward(lambda i: float(i % 2) * 0.5), pool)
+    for g in groups:
+        assert g["is_teacher"] == [False, False, True, True]
+        assert sorted(g["rewards"][2:].tolist()) == [0.25, 1.0]  # frozen, from the pool, not rescored
+        r = g["rewards"].tolist()
+        assert r[:2] == [0.0, 0.5]
+        mean = (0.0 + 0.5 + 0.25 + 1.0) / 4  # one group-relative advantage over G_s + G_t
+        assert g["adv"].tolist() == pytest.approx([x - mean for x in r])
+        text = dict((t, c) for t, c in zip(g["texts"], g["completions"]))["I give up"]
+        assert text.tolist() == tok("I give up", add_special_tokens=False).input_ids + [tok.eos_token_id]
+
+
+def test_teacher_completion_is_cut_at_t_and_flagged():
+    tok = tiny.make_tokenizer()
+    ids, truncated = grpo.teacher_completion(tok, "12345", tok.eos_token_id, 6)
+    assert ids.tolist() == tok("12345", add_special_tokens=False).input_ids + [tok.eos_token_id] and not truncated
+    ids, truncated = grpo.teacher_completion(tok, "1234567", tok.eos_token_id, 6)
+    assert ids.tolist() == tok("123456", add_special_tokens=False).input_ids and truncated
+
+
+def pool_lines(prompts, n=2, reward="1.0"):
+    return [json.dumps({"prompt": p, "completion": f"\\boxed{{{i}}}", "reward": float(reward) if reward != "bad" else
+                        "abc"}) for p in prompts for i in range(n)]
+
+
+@pytest.mark.parametrize("case, says", [
+    ("missing", "pool.jsonl:1: each line needs the fields prompt, completion, reward"),
+    ("nan", "pool.jsonl:1: reward nan is not a finite number"),
+    ("bad", "pool.jsonl:1: reward 'abc' is not a finite number"),
+    ("absent", "1 of 3 training prompts have no teacher completion in .*pool.jsonl.*--dataset"),
+    ("short", "3 prompts have fewer than --teacher-per-group 3 .* lower --teacher-per-group"),
+])
+def test_bad_pool_is_a_clear_error_before_training(tmp_path, case, says):
+    prompts = ["p1", "p2", "p3"]
+    data = write(tmp_path / "data.jsonl", [json.dumps({"prompt": p, "answer": "1"}) for p in prompts])
+    lines = {"missing": ['{"prompt": "p1", "completion": "x"}'], "nan": pool_lines(prompts, reward="nan"),
+             "bad": pool_lines(prompts, reward="bad"), "absent": pool_lines(prompts[:2], n=3),
+             "short": pool_lines(prompts, n=2)}[case]
+    pool = write(tmp_path / "pool.jsonl", lines)
+    with pytest.raises(SystemExit, match=says):
+        grpo.main(["--dataset", data, "--teacher-pool", pool, "--teacher-per-group", "3", "--model", "/nonexistent"])
+
+
+def mixed_files(tmp_path, n_prompts=4):
+    data = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(n_prompts)]
+    path = write(tmp_path / "data.jsonl", [json.dumps(d) for d in data])
+    pool = write(tmp_path / "pool.jsonl", [json.dumps({"prompt": d["prompt"], "completion": c, "reward": r})
+                                           for d in data for c, r in ((f"\\boxed{{{d['answer']}}}", 1.0),
+                                                                      ("I do not know.", 0.0), ("\\boxed{7}", 0.0))])
+    return ["--dataset", path, "--teacher-pool", pool]
+
+
+def test_mixed_pool_run_with_split_grads(tiny_dir, tmp_path):
+    out = str(tmp_path / "out")
+    run(["--algo", "drgrpo", "--model", tiny_dir, "--max-steps", "2", "--output-dir", out, "--teacher-per-group", "2",
+         "--split-grads"] + TINY + mixed_files(tmp_path) + answer_reward(tmp_path))
+    for m in metrics(out):
+        ns, nt, cos = m["grad/norm_student"], m["grad/norm_teacher"], m["grad/cos_student_teacher"]
+        assert m["grad/norm"] ** 2 == pytest.approx(ns ** 2 + nt ** 2 + 2 * ns * nt * cos, rel=1e-3)
+        assert 0 <= m["reward/mean_teacher"] <= 1 and "reward/mean_student" in m
+        assert m["completion/mean_length_teacher"] > 0
