@@ -591,3 +591,36 @@ def test_mixed_pool_run_with_split_grads(tiny_dir, tmp_path):
         assert m["grad/norm"] ** 2 == pytest.approx(ns ** 2 + nt ** 2 + 2 * ns * nt * cos, rel=1e-3)
         assert 0 <= m["reward/mean_teacher"] <= 1 and "reward/mean_student" in m
         assert m["completion/mean_length_teacher"] > 0
+
+
+# ----------------------------------------------------------------------------- several processes (torchrun, gloo)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
+@pytest.mark.parametrize("agg, split", [("token-mean", "nosplit"), ("seq-mean-token-sum-norm", "nosplit"),
+                                        ("seq-mean-token-mean", "split")])
+def test_two_processes_give_the_one_process_update(tiny_dir, tmp_path, agg, split):
+    """Same completions, whole groups split over 2 ranks: the same parameter update as one process."""
+    one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
+    for cmd, out in (([sys.executable], one), (TORCHRUN, two)):
+        p = subprocess.run(cmd + [os.path.join(HERE, "tiny.py"), tiny_dir, out, agg, split], cwd=HERE,
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+    one, two = torch.load(one), torch.load(two)
+    assert_same_update(one["update"], two["update"])
+    assert max(u.abs().max() for u in one["update"].values()) > 1e-4
+    for k, v in one["metrics"].items():
+        assert two["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
+
+
+def test_two_process_run_mixed_pool_dynamic_sampling(tiny_dir, tmp_path):
+    out = str(tmp_path / "out")
+    args = ["--algo", "dapo", "--model", tiny_dir, "--max-steps", "2", "--output-dir", out, "--teacher-per-group", "2",
+            "--split-grads", "--max-gen-rounds", "2"] + TINY + mixed_files(tmp_path) + answer_reward(tmp_path)
+    p = subprocess.run(TORCHRUN + [os.path.join(HERE, "grpo.py")] + args, cwd=HERE, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]  # one file, written by rank 0 alone
+    assert all(r["groups/kept"] <= 2 and "grad/cos_student_teacher" in r for r in rows if r["groups/kept"])
+    assert os.path.isdir(out + "/checkpoint")
