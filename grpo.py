@@ -495,9 +495,10 @@ def group_advantages(rewards: torch.Tensor, scale: str = "std", eps: float = 1e-
     return adv / (rewards.std(1, keepdim=True) + eps) if scale == "std" else adv
 
 
-def soft_weights(stds: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Dr. GRPO+ soft reweighting (seed 004): w_g = std_g / (max_g' std_g' + eps), over the step's groups."""
-    return stds / (stds.max() + eps)
+def soft_weights(stds: torch.Tensor, max_std=None, eps: float = 1e-6) -> torch.Tensor:
+    """Dr. GRPO+ soft reweighting (seed 004): w_g = std_g / (max_g' std_g' + eps), the max over the
+    step's groups (pass it when they are spread over ranks)."""
+    return stds / ((stds.max() if max_std is None else max_std) + eps)
 
 
 def keep_by_rank(counts: list[int], total: int) -> list[int]:
@@ -508,11 +509,38 @@ def keep_by_rank(counts: list[int], total: int) -> list[int]:
     return out
 
 
+def group_metrics(groups: list[dict]) -> dict:
+    """Reward, accuracy and length metrics over all ranks' groups, per source in the mixed pool."""
+    rows = [(float(r), len(c), t, te, R.is_correct(x, g["answer"]))
+            for g in groups for r, c, t, te, x in zip(g["rewards"], g["completions"], g["truncated"],
+                                                       g["is_teacher"], g["texts"])]
+    rows = [r for rank_rows in all_gather(rows) for r in rank_rows]
+    if not rows:
+        return {"reward/mean": 0.0}
+    rew = torch.tensor([r[0] for r in rows])
+    out = {"reward/mean": rew.mean().item(), "reward/std": rew.std().item() if len(rows) > 1 else 0.0}
+    for src, sel in (("student", False), ("teacher", True)):
+        part = [r for r in rows if r[3] == sel]
+        if part and any(r[3] for r in rows):
+            out[f"reward/mean_{src}"] = sum(r[0] for r in part) / len(part)
+            out[f"completion/mean_length_{src}"] = sum(r[1] for r in part) / len(part)
+    student = [r for r in rows if not r[3]]
+    out.update({"accuracy": sum(r[4] for r in student) / len(student),
+                "completion/mean_length": sum(r[1] for r in student) / len(student),
+                "completion/max_length": max(r[1] for r in student),
+                "completion/truncated_frac": sum(r[2] for r in student) / len(student)})
+    per_fn = [{k: v.tolist() for k, v in g["per_fn"].items()} for g in groups]
+    for name in (per_fn[0] if per_fn else {}):
+        vals = [v for rank_fns in all_gather(per_fn) for d in rank_fns for v in d[name]]
+        out[f"reward/{name}"] = sum(vals) / len(vals)
+    return out
+
+
 def rollout(model, tok, stream, reward_fns, pool, a: Args, rank=0, world=1, rng=None) -> tuple[list[dict], dict]:
     """Generate and score this rank's groups for one step, then filter and compute advantages.
     A group: one prompt, G = G_s student + G_t teacher rows, rewards (G,), adv (G,)."""
     rng = rng or random.Random(a.seed + 1000 * rank)
-    groups, rounds, t_gen, t_rew, n_tokens = [], 0, 0.0, 0.0, 0
+    groups, generated, rounds, t_gen, t_rew, n_tokens = [], [], 0, 0.0, 0.0, 0
     while True:
         rounds += 1
         batch = [next(stream) for _ in range(a.prompts_per_step)][rank::world]  # whole groups per rank
@@ -540,6 +568,7 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, rank=0, world=1, rng=
                 g["texts"] = g["texts"] + [text for text, _ in picks]
                 g["is_teacher"] = g["is_teacher"] + [True] * a.teacher_per_group
             groups.append(g)
+            generated.append(g)
         t_rew += time.time() - t0
         if not a.dynamic_sampling:
             break
@@ -558,18 +587,15 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, rank=0, world=1, rng=
         offset = sum(len(r) for r in everyone[:rank])
         groups = [g for i, g in enumerate(groups) if offset + i in top]
         all_stds = all_stds[sorted(top)]
-    max_std = all_stds.max().item() if len(all_stds) else 0.0
-    weights = []
-    for g in groups:
+    weights = soft_weights(torch.tensor([g["rewards"].std().item() for g in groups]),
+                           all_stds.max() if len(all_stds) else 0.0, a.std_eps).tolist()
+    for g, w in zip(groups, weights):
         g["adv"] = group_advantages(g["rewards"][None], a.scale, a.std_eps)[0]  # one advantage over G_s + G_t
-        if a.soft_reweight:
-            w = g["rewards"].std().item() / (max_std + a.std_eps)  # soft_weights() over all ranks' groups
-            g["adv"] = w * g["adv"]
-            weights.append(w)
+        g["adv"] = w * g["adv"] if a.soft_reweight else g["adv"]
     n_kept = int(all_sum(torch.tensor([len(groups)], device=model.device)).item())
     stats = {"groups/kept": n_kept, "groups/gen_rounds": rounds, "time/generate": t_gen, "time/reward": t_rew,
-             "completion/tokens": n_tokens}
-    if a.soft_reweight and weights:
+             "completion/tokens": n_tokens, **group_metrics(generated)}  # every completion generated, kept or not
+    if a.soft_reweight and groups:
         stats.update({"adv/soft_weight_min": min(weights), "adv/soft_weight_mean": sum(weights) / len(weights),
                       "adv/soft_weight_max": max(weights)})
     return groups, stats
@@ -749,33 +775,6 @@ def train_step(model, ref_model, opt, batch: dict | None, a: Args) -> dict:
 
 
 # ----------------------------------------------------------------------------- loop
-def group_metrics(groups: list[dict]) -> dict:
-    """Reward, accuracy and length metrics over all ranks' groups, per source in the mixed pool."""
-    rows = [(float(r), len(c), t, te, R.is_correct(x, g["answer"]))
-            for g in groups for r, c, t, te, x in zip(g["rewards"], g["completions"], g["truncated"],
-                                                       g["is_teacher"], g["texts"])]
-    rows = [r for rank_rows in all_gather(rows) for r in rank_rows]
-    if not rows:
-        return {"reward/mean": 0.0}
-    rew = torch.tensor([r[0] for r in rows])
-    out = {"reward/mean": rew.mean().item(), "reward/std": rew.std().item() if len(rows) > 1 else 0.0}
-    for src, sel in (("student", False), ("teacher", True)):
-        part = [r for r in rows if r[3] == sel]
-        if part and any(r[3] for r in rows):
-            out[f"reward/mean_{src}"] = sum(r[0] for r in part) / len(part)
-            out[f"completion/mean_length_{src}"] = sum(r[1] for r in part) / len(part)
-    student = [r for r in rows if not r[3]]
-    out.update({"accuracy": sum(r[4] for r in student) / len(student),
-                "completion/mean_length": sum(r[1] for r in student) / len(student),
-                "completion/max_length": max(r[1] for r in student),
-                "completion/truncated_frac": sum(r[2] for r in student) / len(student)})
-    per_fn = [{k: v.tolist() for k, v in g["per_fn"].items()} for g in groups]
-    for name in (per_fn[0] if per_fn else {}):
-        vals = [v for rank_fns in all_gather(per_fn) for d in rank_fns for v in d[name]]
-        out[f"reward/{name}"] = sum(vals) / len(vals)
-    return out
-
-
 @torch.no_grad()
 def evaluate(model, tok, examples: list[dict], a: Args, rank: int, world: int) -> dict:
     """Greedy accuracy on held-out prompts, split over ranks."""
@@ -837,7 +836,6 @@ def main(argv=None):
     for step in bar:
         t0 = time.time()
         groups, m = rollout(model, tok, stream, reward_fns, pool, a, rank, world, teacher_rng)
-        m.update(group_metrics(groups))
         t1 = time.time()
         if m["groups/kept"]:  # the same on every rank; 0 when dynamic sampling kept nothing by its cap
             m.update(train_step(model, ref_model, opt, collate(groups, tok.pad_token_id, device) if groups else None, a))

@@ -66,6 +66,7 @@ def test_group_advantages_by_hand():
 def test_soft_weights_by_hand():
     w = grpo.soft_weights(torch.tensor([0.5, 0.25, 0.0]), eps=0)
     assert torch.allclose(w, torch.tensor([1.0, 0.5, 0.0]))
+    assert torch.allclose(grpo.soft_weights(torch.tensor([0.5, 0.25]), max_std=1.0, eps=0), torch.tensor([0.5, 0.25]))
 
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
@@ -366,6 +367,25 @@ def test_parameters_change_after_one_step(loaded):
     assert changed == [n for n in before if "lora_B" in n] and changed
 
 
+@pytest.mark.parametrize("agg", grpo.LOSS_AGGS)
+def test_a_small_step_raises_the_surrogate_objective(loaded, agg):
+    """The step goes uphill: sum_i w_i A_i sum_t logp_it (the policy-gradient surrogate) increases,
+    i.e. positive-advantage completions become likelier and negative ones less likely."""
+    a, model, tok = loaded
+    a = replace(a, loss_agg=agg, max_grad_norm=0.0, max_new_tokens=6)
+    batch = grpo.collate(tiny.fixed_groups(tok, REWARDS, a), tok.pad_token_id, "cpu")
+
+    def surrogate(m):
+        with torch.no_grad():
+            logp, _ = grpo.token_logps(m, batch["input_ids"], batch["attention_mask"], batch["mask"].shape[1])
+        return -grpo.aggregate_loss(-logp * batch["adv"][:, None], batch["mask"], agg, 6).item()
+    model = copy.deepcopy(model)
+    before = surrogate(model)
+    grpo.train_step(model, None, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1e-2),
+                    batch, a)
+    assert surrogate(model) > before
+
+
 def test_num_iterations_uses_old_logp_from_before_the_first_update(loaded):
     """With 2 iterations the second update sees ratio != 1 (old_logp frozen before the first)."""
     a, model, tok = loaded
@@ -400,6 +420,7 @@ def test_dynamic_sampling_refills_to_b_groups(loaded):
     groups, stats = rollout(a, model, tok, fn)
     assert (stats["groups/kept"], stats["groups/gen_rounds"], len(groups)) == (4, 3, 4)
     assert all(g["rewards"].tolist() == [0.0, 1.0] for g in groups)
+    assert stats["reward/mean"] == pytest.approx(4 / 24)  # metrics see every completion generated, kept or not
 
 
 def test_dynamic_sampling_keeps_exactly_b_and_stops_at_the_cap(loaded):

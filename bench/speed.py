@@ -1,0 +1,202 @@
+"""Speed and memory: grpo.py against TRL's GRPOTrainer and against the floor, on one workload.
+
+    pip install trl==1.16.0 matplotlib      # the bench's own extras, not grpo.py's
+    python bench/speed.py                   # CPU: a tiny Qwen2 built locally, fp32
+    python bench/speed.py --device cuda     # GPU: Qwen2.5-0.5B's shape, random weights, bf16
+
+Workload (both contenders, same model, same reward): 4 prompts x 8 completions a step, up to 64 new
+tokens, LoRA r16 on all linear layers, beta 0, Dr. GRPO loss (no std, / (n_seq * T)), one
+optimizer step per rollout. The floor is what no GRPO trainer can beat: one batched HF `generate`
+of the same 32 completions and one forward/backward over them.
+
+Two workloads: `graded` (a reward that differs within every group) and `binary` (0/1; 2 prompts in 5
+always get 0 for every completion, so about 40% of groups have all-equal rewards, as on GSM8K).
+Each contender runs in its own child process, interleaved A B C A B C ..., `--reps` times, each
+time `--steps` timed steps after one untimed warm-up step. Printed: the median seconds per 1k
+completion tokens, the ratio to TRL and to the floor, and peak resident memory (max RSS of the child).
+"""
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import grpo  # noqa: E402
+import tiny  # noqa: E402
+
+B, G, T, LORA_R, LR = 4, 8, 64, 16, 1e-5
+PROMPTS = [f"Question {i}: what is {i} + {2 * i}? Think, then answer." for i in range(40)]
+
+
+def graded(completion, answer, **kw):
+    """Differs within every group: the share of digits among the first 32 characters, plus a byte hash."""
+    head = completion[:32]
+    return sum(c.isdigit() for c in head) / 32 + (sum(map(ord, head)) % 97) / 97
+
+
+def binary(completion, answer, **kw):
+    """0/1; prompts whose answer is 'never' always score 0 (an all-equal group)."""
+    return 0.0 if answer == "never" else float(sum(map(ord, completion)) % 2)
+
+
+def build(model_dir, device):
+    if device == "cpu":
+        return tiny.make_tiny(model_dir, layers=4, hidden=256)
+    from transformers import Qwen2Config, Qwen2ForCausalLM  # Qwen2.5-0.5B's shape, random weights
+    tok = tiny.make_tokenizer()
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                      num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                      max_position_embeddings=4096, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = Qwen2ForCausalLM(cfg)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.suppress_tokens = list(range(len(tok), cfg.vocab_size))  # ids the tokenizer lacks
+    model.save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    return model_dir
+
+
+def data(workload):
+    return [{"prompt": p, "answer": "never" if workload == "binary" and i % 5 < 2 else "1"}
+            for i, p in enumerate(PROMPTS)]
+
+
+# ----------------------------------------------------------------------------- contenders (child processes)
+def child_grpo(model_dir, workload, steps, device, tmp):
+    path = os.path.join(tmp, "data.jsonl")
+    with open(path, "w") as f:
+        f.writelines(json.dumps(d) + "\n" for d in data(workload))
+    out = os.path.join(tmp, "grpo")
+    grpo.main(["--algo", "drgrpo", "--model", model_dir, "--dataset", path, "--reward-fn",
+               f"{os.path.abspath(__file__)}:{workload}", "--prompts-per-step", str(B), "--num-generations", str(G),
+               "--max-new-tokens", str(T), "--lora-r", str(LORA_R), "--learning-rate", str(LR), "--micro-batch-size",
+               str(B * G), "--max-steps", str(steps + 1), "--eval-every", "0", "--save-every", "0", "--system-prompt",
+               "", "--output-dir", out, "--dtype", "fp32" if device == "cpu" else "bf16", "--beta", "0"])
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][1:]
+    return [(r["completion/tokens"] / r["tokens_per_second"], r["completion/tokens"]) for r in rows]  # whole step
+
+
+def child_trl(model_dir, workload, steps, device, tmp):
+    import datasets
+    import peft
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    rows = [{"prompt": [{"role": "user", "content": d["prompt"]}], "answer": d["answer"]} for d in data(workload)]
+    reward = graded if workload == "graded" else binary
+
+    def reward_fn(completions, answer, **kw):
+        return [reward(c[0]["content"], a) for c, a in zip(completions, answer)]
+    times, tokens = [], []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, *a, **k):
+            times.append(time.perf_counter() - self.t0)
+
+        def on_log(self, args, state, control, logs=None, **k):
+            if logs and "completions/mean_length" in logs:
+                tokens.append(logs["completions/mean_length"] * B * G)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    cfg = GRPOConfig(output_dir=os.path.join(tmp, "trl"), per_device_train_batch_size=B * G, num_generations=G,
+                     max_completion_length=T, learning_rate=LR, beta=0.0, loss_type="dr_grpo", scale_rewards="none",
+                     temperature=1.0, top_p=1.0, max_steps=steps + 1, logging_steps=1, save_strategy="no",
+                     report_to="none", use_cpu=device == "cpu", bf16=device != "cpu", seed=0, disable_dropout=True)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=cfg, train_dataset=datasets.Dataset.from_list(rows),
+                          processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[Clock()],
+                          peft_config=peft.LoraConfig(r=LORA_R, lora_alpha=32, target_modules="all-linear",
+                                                      task_type="CAUSAL_LM"))
+    trainer.train()
+    return list(zip(times, tokens))[1:]
+
+
+def child_floor(model_dir, workload, steps, device, tmp):
+    """One batched generate + one forward/backward of the same completions: no reward, no advantage."""
+    a = grpo.parse_args(["--model", model_dir, "--lora-r", str(LORA_R), "--max-new-tokens", str(T), "--system-prompt", "",
+                         "--dtype", "fp32" if device == "cpu" else "bf16"])
+    model, tok, _ = grpo.load_model(a, torch.device(device))
+    opt = grpo.make_optimizer(a, model)
+    out = []
+    for step in range(steps + 1):
+        t0 = time.perf_counter()
+        texts = [grpo.chat_prompt(tok, d["prompt"], "") for d in data(workload)[step * B:(step + 1) * B]]
+        prompts, comps, _ = grpo.generate(model, tok, texts, G, a)
+        groups = [dict(prompt_ids=prompts[i], completions=comps[i * G:(i + 1) * G], truncated=[False] * G,
+                       adv=torch.zeros(G), is_teacher=[False] * G, rewards=torch.zeros(G)) for i in range(B)]
+        b = grpo.collate(groups, tok.pad_token_id, device)
+        logp, _ = grpo.token_logps(model, b["input_ids"], b["attention_mask"], b["mask"].shape[1])
+        (-(logp * b["mask"]).sum() / (B * G * T)).backward()
+        opt.step()
+        opt.zero_grad()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        out.append((time.perf_counter() - t0, sum(len(c) for c in comps)))
+    return out[1:]
+
+
+CHILDREN = {"grpo.py": child_grpo, "TRL GRPOTrainer": child_trl, "floor": child_floor}
+
+
+def peak_memory_mb(device):
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2 ** 20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+# ----------------------------------------------------------------------------- parent
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--workloads", default="graded,binary")
+    p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)  # NAME WORKLOAD MODEL_DIR RESULT.json
+    args = p.parse_args()
+    if args.child:
+        name, workload, model_dir, result = args.child
+        torch.manual_seed(0)
+        with tempfile.TemporaryDirectory() as tmp:
+            steps = CHILDREN[name](model_dir, workload, args.steps, args.device, tmp)
+        json.dump({"steps": steps, "peak_mb": peak_memory_mb(args.device)}, open(result, "w"))
+        return
+    tmp = tempfile.mkdtemp()
+    model_dir = build(os.path.join(tmp, "model"), args.device)
+    lines = []
+    for workload in args.workloads.split(","):
+        per_1k = {n: [] for n in CHILDREN}
+        peak = {n: 0.0 for n in CHILDREN}
+        for rep in range(args.reps):
+            for name in CHILDREN:  # interleaved: A B C A B C ...
+                result = os.path.join(tmp, "result.json")
+                subprocess.run([sys.executable, os.path.abspath(__file__), "--device", args.device, "--steps",
+                                str(args.steps), "--child", name, workload, model_dir, result], check=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                r = json.load(open(result))
+                per_1k[name] += [1000 * s / n for s, n in r["steps"]]
+                peak[name] = max(peak[name], r["peak_mb"])
+                print(f"  {workload} rep {rep + 1}: {name} {statistics.median(per_1k[name]):.3f} s/1k tokens",
+                      file=sys.stderr, flush=True)
+        med = {n: statistics.median(v) for n, v in per_1k.items()}
+        lines.append(f"\nworkload {workload}: {B} prompts x {G} completions, <= {T} new tokens, LoRA r{LORA_R}, "
+                     f"{args.device}, {args.reps} reps x {args.steps} steps")
+        lines.append("| contender | s per 1k completion tokens (median) | vs TRL | vs floor | peak memory (MiB) |")
+        lines.append("| --- | --- | --- | --- | --- |")
+        for n in CHILDREN:
+            lines.append(f"| {n} | {med[n]:.3f} | {med[n] / med['TRL GRPOTrainer']:.2f}x | {med[n] / med['floor']:.2f}x "
+                         f"| {peak[n]:.0f} |")
+        print("\n".join(lines[-4:]), flush=True)
+    versions = {m: __import__(m).__version__ for m in ("torch", "transformers", "peft", "trl")}
+    print("\nversions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
+
+
+if __name__ == "__main__":
+    main()
