@@ -54,8 +54,8 @@ def warmup(model_dir, data, steps, seed=0, hidden=64, layers=2):
     return acc
 
 
-def run(name, model_dir, data_path, steps, extra, seed=0):
-    out = os.path.join(OUT, name)
+def run(out, model_dir, data_path, steps, extra, seed=0):
+    """grpo.py in a subprocess with the demo's flags; returns its metrics rows and wall time."""
     if os.path.exists(os.path.join(out, "metrics.jsonl")):
         os.remove(os.path.join(out, "metrics.jsonl"))
     t0 = time.time()
@@ -91,7 +91,7 @@ def smooth(xs, k=10):
     return [sum(xs[max(0, i - k + 1):i + 1]) / len(xs[max(0, i - k + 1):i + 1]) for i in range(len(xs))]
 
 
-def main(steps=500, warmup_steps=100):
+def main(steps=800, warmup_steps=200):
     os.makedirs(OUT, exist_ok=True)
     data = task()
     data_path, pool_path, model_dir = (os.path.join(OUT, f) for f in ("task.jsonl", "pool.jsonl", "warm"))
@@ -106,11 +106,11 @@ def main(steps=500, warmup_steps=100):
     curves = {}
     for name, flags in CONTENDERS.items():
         extra = flags + (["--teacher-pool", pool_path] if "--teacher-per-group" in flags else [])
-        rows, wall = run(name.split(" ")[0], model_dir, data_path, steps, extra)
+        rows, wall = run(os.path.join(OUT, name.split(" ")[0]), model_dir, data_path, steps, extra)
         rew, acc = [r["reward/mean"] for r in rows], [r["accuracy"] for r in rows]
         key = "reward/mean_student" if "reward/mean_student" in rows[0] else "reward/mean"
         rew = [r[key] for r in rows]  # the mixed run: the student's own samples, not the pool's
-        first, last = (lambda xs: sum(xs[:10]) / 10), (lambda xs: sum(xs[-10:]) / 10)
+        first, last = (lambda xs: sum(xs[:20]) / 20), (lambda xs: sum(xs[-20:]) / 20)
         table.append(f"| {name} | {first(rew):.2f} | {last(rew):.2f} | {first(acc):.2f} | {last(acc):.2f} "
                      f"| {rows[-1]['eval/accuracy']:.2f} | {len(rows)} | {wall:.0f} s |")
         curves[name] = smooth(acc)
