@@ -446,18 +446,18 @@ def test_top_k_and_soft_reweighting(loaded):
 # ----------------------------------------------------------------------------- does it learn?
 def test_reward_rises_on_a_toy_task(tmp_path):
     """An honest learning check (bench/learn.py, shortened and seeded): a tiny model after a short
-    supervised warm-up on 'a+b=' is trained by grpo.py (Dr. GRPO) for 60 steps; the sampled reward
+    supervised warm-up on 'a+b=' is trained by grpo.py (Dr. GRPO) for 100 steps; the sampled reward
     (= accuracy) of the last 10 steps beats the first 10 by a clear margin."""
     sys.path.insert(0, os.path.join(HERE, "bench"))
     import learn
     data = learn.task()
     model = str(tmp_path / "warm")
-    learn.warmup(model, data, steps=100)
+    learn.warmup(model, data, steps=200)
     path = write(tmp_path / "task.jsonl", [json.dumps(d) for d in data])
-    rows, _ = learn.run(str(tmp_path / "out"), model, path, 60, ["--algo", "drgrpo"])
+    rows, _ = learn.run(str(tmp_path / "out"), model, path, 100, ["--algo", "drgrpo"])
     reward = [r["reward/mean"] for r in rows]
     start, end = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
-    assert end - start > 0.15, (start, end)
+    assert end - start > 0.2, (start, end)
 
 
 # ----------------------------------------------------------------------------- tier 3: grpo.py runs
