@@ -415,6 +415,26 @@ def completion_mask(ids: torch.Tensor, eos_ids) -> tuple[torch.Tensor, torch.Ten
     return mask, ~is_eos.any(1)
 
 
+@contextlib.contextmanager
+def lora_merged(model, a: Args):
+    """Sample with each LoRA delta folded into its base weight: one matmul per layer instead of three.
+    The merged weight is a new tensor and the original is put back untouched afterwards (peft's
+    unmerge subtracts the delta again, which rounds: bf16 base weights would drift every step).
+    Not with 4-bit weights, which cannot hold the sum."""
+    layers = [m for m in model.modules() if hasattr(m, "get_delta_weight")] if a.lora_r and not a.load_in_4bit else []
+    originals = [m.get_base_layer().weight.data for m in layers]
+    for m in layers:
+        m.get_base_layer().weight.data = m.get_base_layer().weight.data + sum(
+            m.get_delta_weight(name) for name in m.active_adapters)
+        m.merged_adapters.extend(m.active_adapters)  # peft then skips the adapter in forward
+    try:
+        yield
+    finally:
+        for m, w in zip(layers, originals):
+            m.get_base_layer().weight.data = w
+            m.merged_adapters.clear()
+
+
 @torch.no_grad()
 def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False):
     """n completions per prompt text -> (prompt ids per text, completions cut after the first EOS, truncated).
@@ -427,8 +447,9 @@ def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False
                            eos_token_id=model.eos_ids, **sampling)
     was_training = model.training
     model.eval()
-    out = model.generate(input_ids=enc.input_ids.repeat_interleave(n, 0),
-                         attention_mask=enc.attention_mask.repeat_interleave(n, 0), generation_config=cfg)
+    with lora_merged(model, a):
+        out = model.generate(input_ids=enc.input_ids.repeat_interleave(n, 0),
+                             attention_mask=enc.attention_mask.repeat_interleave(n, 0), generation_config=cfg)
     model.train(was_training)
     comp = out[:, enc.input_ids.shape[1]:]  # (len(texts)*n, C)
     mask, truncated = completion_mask(comp, model.eos_ids)

@@ -294,6 +294,22 @@ def test_train_logps_match_the_sampler(loaded):
     assert (entropy > 0).all() and (entropy <= math.log(len(tok)) + 1e-4).all()
 
 
+def test_generation_with_the_lora_merged_leaves_the_weights_bit_for_bit(loaded):
+    a, model, tok = loaded
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.5)  # a non-zero adapter
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    texts = [grpo.chat_prompt(tok, q, "") for q in ("1+1?", "a longer question, 12 + 30?")]
+    _, merged, _ = grpo.generate(model, tok, texts, 1, replace(a, max_new_tokens=10), greedy=True)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert not any(m.merged for m in model.modules() if hasattr(m, "merged_adapters"))
+    _, unmerged, _ = grpo.generate(model, tok, texts, 1, replace(a, max_new_tokens=10, lora_r=0), greedy=True)
+    assert [c.tolist() for c in merged] == [c.tolist() for c in unmerged]  # same policy either way
+
+
 def test_reference_is_the_base_model(tiny_dir):
     """KL reference = the adapter disabled: equals the base model's log-probs, not the adapted ones."""
     a = grpo.parse_args(["--model", tiny_dir, "--beta", "0.1"] + TINY)

@@ -6,7 +6,7 @@
 
 Workload (both contenders, same model, same reward): 4 prompts x 8 completions a step, up to 64 new
 tokens, LoRA r16 on all linear layers, beta 0, Dr. GRPO loss (no std, / (n_seq * T)), one
-optimizer step per rollout. The floor is what no GRPO trainer can beat: one batched HF `generate`
+optimizer step per rollout, gradient checkpointing on (TRL's GRPOConfig default). The floor is what no GRPO trainer can beat: one batched HF `generate`
 of the same 32 completions and one forward/backward over them.
 
 Two workloads: `graded` (a reward that differs within every group) and `binary` (0/1; 2 prompts in 5
@@ -78,7 +78,7 @@ def child_grpo(model_dir, workload, steps, device, tmp):
                f"{os.path.abspath(__file__)}:{workload}", "--prompts-per-step", str(B), "--num-generations", str(G),
                "--max-new-tokens", str(T), "--lora-r", str(LORA_R), "--learning-rate", str(LR), "--micro-batch-size",
                str(B * G), "--max-steps", str(steps + 1), "--eval-every", "0", "--save-every", "0", "--system-prompt",
-               "", "--output-dir", out, "--dtype", "fp32" if device == "cpu" else "bf16", "--beta", "0"])
+               "", "--output-dir", out, "--dtype", "fp32" if device == "cpu" else "bf16", "--beta", "0", "--gradient-checkpointing"])
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][1:]
     return [(r["completion/tokens"] / r["tokens_per_second"], r["completion/tokens"]) for r in rows]  # whole step
 
@@ -109,7 +109,8 @@ def child_trl(model_dir, workload, steps, device, tmp):
     cfg = GRPOConfig(output_dir=os.path.join(tmp, "trl"), per_device_train_batch_size=B * G, num_generations=G,
                      max_completion_length=T, learning_rate=LR, beta=0.0, loss_type="dr_grpo", scale_rewards="none",
                      temperature=1.0, top_p=1.0, max_steps=steps + 1, logging_steps=1, save_strategy="no",
-                     report_to="none", use_cpu=device == "cpu", bf16=device != "cpu", seed=0, disable_dropout=True)
+                     report_to="none", use_cpu=device == "cpu", bf16=device != "cpu", seed=0, disable_dropout=True,
+                     gradient_checkpointing=True)  # TRL's default; grpo.py gets the same
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=cfg, train_dataset=datasets.Dataset.from_list(rows),
                           processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[Clock()],
