@@ -651,20 +651,21 @@ def test_mixed_pool_run_with_split_grads(tiny_dir, tmp_path):
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
-@pytest.mark.parametrize("agg, split", [("token-mean", "nosplit"), ("seq-mean-token-sum-norm", "nosplit"),
-                                        ("seq-mean-token-mean", "split")])
-def test_two_processes_give_the_one_process_update(tiny_dir, tmp_path, agg, split):
-    """Same completions, whole groups split over 2 ranks: the same parameter update as one process."""
+def test_two_processes_give_the_one_process_update(tiny_dir, tmp_path):
+    """Same completions, whole groups split over 2 ranks: the same parameter update as one process,
+    for token-mean, seq-mean-token-sum-norm, and seq-mean-token-mean with the per-source split."""
     one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
     for cmd, out in (([sys.executable], one), (TORCHRUN, two)):
-        p = subprocess.run(cmd + [os.path.join(HERE, "tiny.py"), tiny_dir, out, agg, split], cwd=HERE,
-                           capture_output=True, text=True, timeout=300)
+        p = subprocess.run(cmd + [os.path.join(HERE, "tiny.py"), tiny_dir, out], cwd=HERE, capture_output=True,
+                           text=True, timeout=300)
         assert p.returncode == 0, p.stderr[-3000:]
     one, two = torch.load(one), torch.load(two)
-    assert_same_update(one["update"], two["update"])
-    assert max(u.abs().max() for u in one["update"].values()) > 1e-4
-    for k, v in one["metrics"].items():
-        assert two["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-6), k
+    assert list(one) == tiny.CONFIGS
+    for config in tiny.CONFIGS:
+        assert_same_update(one[config]["update"], two[config]["update"])
+        assert max(u.abs().max() for u in one[config]["update"].values()) > 1e-4
+        for k, v in one[config]["metrics"].items():
+            assert two[config]["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-6), (config, k)
 
 
 def test_two_process_run_mixed_pool_dynamic_sampling(tiny_dir, tmp_path):

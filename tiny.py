@@ -58,28 +58,35 @@ def fixed_groups(tok, rewards, a, seed=0, teacher_per_group=0):
     return groups
 
 
-def ddp_update(model_dir, out, loss_agg, split):
-    """One train_step with SGD(lr=1) on fixed completions, whole groups split over the ranks (or all in
-    one process); rank 0 saves the parameter change (minus the step's gradient)."""
+CONFIGS = [("token-mean", False), ("seq-mean-token-sum-norm", False), ("seq-mean-token-mean", True)]
+
+
+def ddp_updates(model_dir, out):
+    """For each (loss_agg, split) in CONFIGS: one train_step with SGD(lr=1) on fixed completions, whole
+    groups split over the ranks (or all in one process); rank 0 saves the parameter changes (minus
+    the step's gradient) and the step's metrics."""
     import grpo
     rank, world, device = grpo.setup_distributed()
-    extra = ["--teacher-pool", "p.jsonl", "--teacher-per-group", "2", "--split-grads"] if split else []
-    a = grpo.parse_args(["--model", model_dir, "--loss-agg", loss_agg, "--max-new-tokens", "8", "--max-grad-norm",
-                         "0", "--micro-batch-size", "3", "--beta", "0", "--scale", "std"] + extra)
-    torch.manual_seed(0)
-    model, tok, _ = grpo.load_model(a, device)
-    rewards = [[1, 0, 0, 1], [0, 0, 0, 0], [0, 0.5, 1, 1], [2, 1, 0, 1], [1, 1, 1, 1], [0, 3, 0, 0]]
-    groups = fixed_groups(tok, rewards, a, seed=1, teacher_per_group=2 if split else 0)[rank::world]
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    before = {n: p.detach().clone() for n, p in params.items()}
-    m = grpo.train_step(model, None, torch.optim.SGD(params.values(), lr=1.0),
-                        grpo.collate(groups, tok.pad_token_id, device), a)
+    results = {}
+    for loss_agg, split in CONFIGS:
+        extra = ["--teacher-pool", "p.jsonl", "--teacher-per-group", "2", "--split-grads"] if split else []
+        a = grpo.parse_args(["--model", model_dir, "--loss-agg", loss_agg, "--max-new-tokens", "8", "--max-grad-norm",
+                             "0", "--micro-batch-size", "3", "--beta", "0", "--scale", "std"] + extra)
+        torch.manual_seed(0)
+        model, tok, _ = grpo.load_model(a, device)
+        rewards = [[1, 0, 0, 1], [0, 0, 0, 0], [0, 0.5, 1, 1], [2, 1, 0, 1], [1, 1, 1, 1], [0, 3, 0, 0]]
+        groups = fixed_groups(tok, rewards, a, seed=1, teacher_per_group=2 if split else 0)[rank::world]
+        params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        before = {n: p.detach().clone() for n, p in params.items()}
+        m = grpo.train_step(model, None, torch.optim.SGD(params.values(), lr=1.0),
+                            grpo.collate(groups, tok.pad_token_id, device), a)
+        results[(loss_agg, split)] = {"update": {n: p.detach() - before[n] for n, p in params.items()}, "metrics": m}
     if rank == 0:
-        torch.save({"update": {n: p.detach() - before[n] for n, p in params.items()}, "metrics": m}, out)
+        torch.save(results, out)
     if world > 1:
         torch.distributed.destroy_process_group()
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python tiny.py MODEL_DIR OUT.pt, or under torchrun
     import sys
-    ddp_update(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4] == "split")
+    ddp_updates(sys.argv[1], sys.argv[2])
