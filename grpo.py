@@ -25,7 +25,11 @@ completions with frozen rewards; --split-grads backpropagates the two halves apa
 
 Departures, on purpose: one rollout per optimizer step by default (num_iterations = 1, so the
 ratio is 1 and old_logp = logp.detach()); std is torch's unbiased std (as TRL and verl);
-logits are divided by the sampling temperature in every log-prob (as TRL and verl).
+logits are divided by the sampling temperature in every log-prob (as TRL and verl); groups with
+all-equal rewards skip their forward/backward only when beta = 0 (then exactly); under torchrun the
+loss normalisers are global and each rank's accumulated gradient is all-reduced as a sum once per
+step (the DDP wrapper would average inside every backward, and ranks here may run different
+numbers of micro-batches).
 
 Shapes: B prompts per step, G completions per prompt (G = G_s + G_t in the mixed pool),
 N = B*G rows, P prompt length (left padded), C completion length (<= T = max_new_tokens),
@@ -355,7 +359,7 @@ def prompt_stream(data: list[dict], seed: int):
 # ----------------------------------------------------------------------------- model
 def load_model(a: Args, device: torch.device):
     """Policy (LoRA, QLoRA or full), tokenizer, and a frozen reference only for full fine-tuning with KL."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, GenerationConfig
     bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
     dtype = torch.bfloat16 if a.dtype == "bf16" or (a.dtype == "auto" and bf16) else torch.float32
     tok = AutoTokenizer.from_pretrained(a.model)
@@ -373,7 +377,11 @@ def load_model(a: Args, device: torch.device):
         if hasattr(m, "support_avx512bf16_for_cpu"):
             m.support_avx512bf16_for_cpu = False
     eos = model.generation_config.eos_token_id  # chat models may end on several tokens
-    model.eos_ids = sorted({tok.eos_token_id, *(eos if isinstance(eos, list) else [eos] if eos is not None else [])})
+    eos = sorted({tok.eos_token_id, *(eos if isinstance(eos, list) else [eos] if eos is not None else [])})
+    # generate() fills every field a call leaves unset from the model's own generation config (Qwen2.5-
+    # Instruct's sets repetition_penalty 1.05, top_k 20, ...): keep only its EOS ids, so that sampling
+    # follows the policy the loss assumes.
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tok.pad_token_id)
     if a.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref_model = None
@@ -442,9 +450,10 @@ def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False
     may change the sampling distribution away from the policy the loss assumes."""
     from transformers import GenerationConfig
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=not tok.chat_template).to(model.device)
+    eos_ids = model.generation_config.eos_token_id
     sampling = {} if greedy else dict(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
     cfg = GenerationConfig(max_new_tokens=a.max_new_tokens, do_sample=not greedy, pad_token_id=tok.pad_token_id,
-                           eos_token_id=model.eos_ids, **sampling)
+                           eos_token_id=eos_ids, **sampling)
     was_training = model.training
     model.eval()
     with lora_merged(model, a):
@@ -452,7 +461,7 @@ def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False
                              attention_mask=enc.attention_mask.repeat_interleave(n, 0), generation_config=cfg)
     model.train(was_training)
     comp = out[:, enc.input_ids.shape[1]:]  # (len(texts)*n, C)
-    mask, truncated = completion_mask(comp, model.eos_ids)
+    mask, truncated = completion_mask(comp, eos_ids)
     prompts = [ids[m.bool()] for ids, m in zip(enc.input_ids, enc.attention_mask)]
     return prompts, [c[m] for c, m in zip(comp, mask)], truncated.tolist()
 

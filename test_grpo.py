@@ -283,13 +283,13 @@ def test_train_logps_match_the_sampler(loaded):
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     torch.manual_seed(0)
     out = model.generate(**enc, generation_config=GenerationConfig(
-        max_new_tokens=8, do_sample=True, top_k=0, pad_token_id=tok.pad_token_id, eos_token_id=model.eos_ids),
+        max_new_tokens=8, do_sample=True, top_k=0, pad_token_id=tok.pad_token_id, eos_token_id=model.generation_config.eos_token_id),
         output_logits=True, return_dict_in_generate=True)
     comp = out.sequences[:, enc.input_ids.shape[1]:]
     sampler = torch.stack(out.logits, 1).log_softmax(-1).gather(-1, comp[..., None])[..., 0]
     attn = torch.cat([enc.attention_mask, torch.ones_like(comp)], 1)
     logp, entropy = grpo.token_logps(model, out.sequences, attn, comp.shape[1])
-    mask, _ = grpo.completion_mask(comp, model.eos_ids)
+    mask, _ = grpo.completion_mask(comp, model.generation_config.eos_token_id)
     assert torch.allclose(logp[mask], sampler[mask], atol=1e-4)
     assert (entropy > 0).all() and (entropy <= math.log(len(tok)) + 1e-4).all()
 
@@ -308,6 +308,20 @@ def test_generation_with_the_lora_merged_leaves_the_weights_bit_for_bit(loaded):
     assert not any(m.merged for m in model.modules() if hasattr(m, "merged_adapters"))
     _, unmerged, _ = grpo.generate(model, tok, texts, 1, replace(a, max_new_tokens=10, lora_r=0), greedy=True)
     assert [c.tolist() for c in merged] == [c.tolist() for c in unmerged]  # same policy either way
+
+
+def test_sampling_ignores_the_model_s_own_generation_defaults(tmp_path):
+    """generate() fills unset fields from the checkpoint's generation_config.json. One that suppresses
+    every token but one (and a repetition penalty) must not reach the sampler: samples still differ."""
+    path = tiny.make_tiny(str(tmp_path / "m"))
+    from transformers import GenerationConfig
+    GenerationConfig(do_sample=True, suppress_tokens=[i for i in range(260) if i != 20], repetition_penalty=3.0,
+                     eos_token_id=2).save_pretrained(path)
+    a = grpo.parse_args(["--model", path, "--max-new-tokens", "8"])
+    model, tok, _ = grpo.load_model(a, torch.device("cpu"))
+    _, comps, _ = grpo.generate(model, tok, [grpo.chat_prompt(tok, "1+1?", "")], 8, a)
+    assert len({tuple(c.tolist()) for c in comps}) > 1
+    assert model.generation_config.eos_token_id == [tok.eos_token_id]
 
 
 def test_reference_is_the_base_model(tiny_dir):
