@@ -854,10 +854,13 @@ def main(argv=None):
     torch.manual_seed(a.seed + 1000 * rank)  # sampling differs per rank, repeats per run
     stream, teacher_rng = prompt_stream(train, a.seed), random.Random(a.seed + 1000 * rank)
     os.makedirs(a.output_dir, exist_ok=True)
-    log = open(os.path.join(a.output_dir, "metrics.jsonl"), "a") if rank == 0 else None
+    log = open(os.path.join(a.output_dir, "metrics.jsonl"), "w") if rank == 0 else None  # this run's steps
     wandb = None
     if a.wandb_project and rank == 0:
-        import wandb
+        try:
+            import wandb
+        except ImportError:
+            fail("--wandb-project needs `pip install wandb`")
         wandb.init(project=a.wandb_project, config=dataclasses.asdict(a))
     stop = []  # Ctrl-C: finish this step, save, exit; a second Ctrl-C stops at once
     signal.signal(signal.SIGINT, lambda *_: stop.append(1) if not stop else signal.default_int_handler(*_))
@@ -886,6 +889,8 @@ def main(argv=None):
                 save(model, tok, a, step)
         if stopping:
             break
+    if log:
+        log.close()
     if dist.is_initialized():
         dist.destroy_process_group()
 
