@@ -208,7 +208,7 @@ def describe_objective(a: Args) -> str:
            "seq-mean-token-mean": f"1/n_seq Σ_i 1/|o_i| Σ_t {inner}",
            "seq-mean-token-sum": f"1/n_seq Σ_i Σ_t {inner}",
            "seq-mean-token-sum-norm": f"1/(n_seq·{a.max_new_tokens}) Σ_i Σ_t {inner}"}[a.loss_agg]
-    adv = "A_i = R_i - mean_g(R)" + (" / (std_g(R) + eps)" if a.scale == "std" else "")
+    adv = "A_i = (R_i - mean_g(R)) / (std_g(R) + eps)" if a.scale == "std" else "A_i = R_i - mean_g(R)"
     adv += "  ·  std_g / max_g' std_g'" if a.soft_reweight else ""
     reward = " + ".join(filter(None, [a.rewards.replace(",", " + "), a.reward_fn,
                                       f"overlong(L_cache={a.overlong_buffer})" if a.overlong_penalty else ""]))
