@@ -6,7 +6,8 @@
 
 Workload (both contenders, same model, same reward): 4 prompts x 8 completions a step, up to 64 new
 tokens, LoRA r16 on all linear layers, beta 0, Dr. GRPO loss (no std, / (n_seq * T)), one
-optimizer step per rollout, gradient checkpointing on (TRL's GRPOConfig default). The floor is what no GRPO trainer can beat: one batched HF `generate`
+optimizer step per rollout, gradient checkpointing on in both trainers (TRL's GRPOConfig default;
+`--no-gc` turns it off in both, grpo.py's default). The floor never checkpoints. The floor is what no GRPO trainer can beat: one batched HF `generate`
 of the same 32 completions and one forward/backward over them.
 
 Two workloads: `graded` (a reward that differs within every group) and `binary` (0/1; 2 prompts in 5
@@ -69,6 +70,9 @@ def data(workload):
 
 
 # ----------------------------------------------------------------------------- contenders (child processes)
+GC = True  # gradient checkpointing in both trainers (TRL's default); --no-gc turns it off in both
+
+
 def child_grpo(model_dir, workload, steps, device, tmp):
     path = os.path.join(tmp, "data.jsonl")
     with open(path, "w") as f:
@@ -78,7 +82,8 @@ def child_grpo(model_dir, workload, steps, device, tmp):
                f"{os.path.abspath(__file__)}:{workload}", "--prompts-per-step", str(B), "--num-generations", str(G),
                "--max-new-tokens", str(T), "--lora-r", str(LORA_R), "--learning-rate", str(LR), "--micro-batch-size",
                str(B * G), "--max-steps", str(steps + 1), "--eval-every", "0", "--save-every", "0", "--system-prompt",
-               "", "--output-dir", out, "--dtype", "fp32" if device == "cpu" else "bf16", "--beta", "0", "--gradient-checkpointing"])
+               "", "--output-dir", out, "--dtype", "fp32" if device == "cpu" else "bf16", "--beta", "0"]
+              + (["--gradient-checkpointing"] if GC else []))
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][1:]
     return [(r["completion/tokens"] / r["tokens_per_second"], r["completion/tokens"]) for r in rows]  # whole step
 
@@ -110,7 +115,7 @@ def child_trl(model_dir, workload, steps, device, tmp):
                      max_completion_length=T, learning_rate=LR, beta=0.0, loss_type="dr_grpo", scale_rewards="none",
                      temperature=1.0, top_p=1.0, max_steps=steps + 1, logging_steps=1, save_strategy="no",
                      report_to="none", use_cpu=device == "cpu", bf16=device != "cpu", seed=0, disable_dropout=True,
-                     gradient_checkpointing=True)  # TRL's default; grpo.py gets the same
+                     gradient_checkpointing=GC)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=cfg, train_dataset=datasets.Dataset.from_list(rows),
                           processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[Clock()],
@@ -160,8 +165,11 @@ def main():
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--workloads", default="graded,binary")
+    p.add_argument("--no-gc", action="store_true", help="no gradient checkpointing in either trainer")
     p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)  # NAME WORKLOAD MODEL_DIR RESULT.json
     args = p.parse_args()
+    global GC
+    GC = not args.no_gc
     if args.child:
         name, workload, model_dir, result = args.child
         torch.manual_seed(0)
@@ -179,7 +187,8 @@ def main():
             for name in CHILDREN:  # interleaved: A B C A B C ...
                 result = os.path.join(tmp, "result.json")
                 subprocess.run([sys.executable, os.path.abspath(__file__), "--device", args.device, "--steps",
-                                str(args.steps), "--child", name, workload, model_dir, result], check=True,
+                                str(args.steps), "--child", name, workload, model_dir, result]
+                               + (["--no-gc"] if args.no_gc else []), check=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 r = json.load(open(result))
                 per_1k[name] += [1000 * s / n for s, n in r["steps"]]
@@ -189,7 +198,8 @@ def main():
                       file=sys.stderr, flush=True)
         med = {n: statistics.median(v) for n, v in per_1k.items()}
         lines.append(f"\nworkload {workload}: {B} prompts x {G} completions, <= {T} new tokens, LoRA r{LORA_R}, "
-                     f"{args.device}, {args.reps} reps x {args.steps} steps")
+                     f"{args.device}, gradient checkpointing {'on' if GC else 'off'}, "
+                     f"{args.reps} reps x {args.steps} steps")
         lines.append("| contender | s per 1k completion tokens (median) | reps' medians | vs TRL | vs floor "
                      "| peak memory (MiB) |")
         lines.append("| --- | --- | --- | --- | --- | --- |")
