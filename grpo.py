@@ -70,7 +70,8 @@ class Args:
     # run
     algo: str = flag("grpo", "preset: grpo | drgrpo | dapo | drgrpo_soft (sets defaults; explicit flags win)")
     model: str = flag("Qwen/Qwen2.5-0.5B-Instruct", "hub id or local directory")
-    output_dir: str = flag("grpo_out", "checkpoint/ (adapter or model, tokenizer, grpo_args.json) and metrics.jsonl go here")
+    output_dir: str = flag("grpo_out", "checkpoint/ (adapter or model, tokenizer, grpo_args.json) and "
+                           "metrics.jsonl go here")
     max_steps: int = flag(200, "optimizer steps (x num_iterations)")
     seed: int = flag(0, "seeds data order, sampling (+1000*rank) and LoRA init")
     dry_run: bool = flag(False, "print the resolved flags and the objective they optimise, then exit")
@@ -220,7 +221,8 @@ def describe_objective(a: Args) -> str:
     return "\n".join([f"J(θ) = E_q [ {agg} ],  r = π_θ / π_old per token",
                       f"  {adv}",
                       f"  R = {reward}",
-                      f"  group: {group} completions of ≤ {a.max_new_tokens} tokens, {a.prompts_per_step} groups a step",
+                      f"  group: {group} completions of ≤ {a.max_new_tokens} tokens, "
+                      f"{a.prompts_per_step} groups a step",
                       f"  filters: {', '.join(filter(None, filters)) or 'none'}"])
 
 
@@ -540,28 +542,21 @@ def keep_by_rank(counts: list[int], total: int) -> list[int]:
 
 
 def group_metrics(groups: list[dict]) -> dict:
-    """Reward, accuracy and length metrics over all ranks' groups, per source in the mixed pool."""
-    rows = [(float(r), len(c), t, te, R.is_correct(x, g["answer"]))
+    """Reward, accuracy and length metrics over all ranks' groups; per source in the mixed pool."""
+    rows = [[float(r), len(c), t, te, R.is_correct(x, g["answer"])]
             for g in groups for r, c, t, te, x in zip(g["rewards"], g["completions"], g["truncated"],
                                                        g["is_teacher"], g["texts"])]
-    rows = [r for rank_rows in all_gather(rows) for r in rank_rows]
-    if not rows:
-        return {"reward/mean": 0.0}
-    rew = torch.tensor([r[0] for r in rows])
-    out = {"reward/mean": rew.mean().item(), "reward/std": rew.std().item() if len(rows) > 1 else 0.0}
-    for src, sel in (("student", False), ("teacher", True)):
-        part = [r for r in rows if r[3] == sel]
-        if part and any(r[3] for r in rows):
-            out[f"reward/mean_{src}"] = sum(r[0] for r in part) / len(part)
-            out[f"completion/mean_length_{src}"] = sum(r[1] for r in part) / len(part)
-    student = [r for r in rows if not r[3]]
-    out.update({"accuracy": sum(r[4] for r in student) / len(student),
-                "completion/mean_length": sum(r[1] for r in student) / len(student),
-                "completion/max_length": max(r[1] for r in student),
-                "completion/truncated_frac": sum(r[2] for r in student) / len(student)})
-    per_fn = [{k: v.tolist() for k, v in g["per_fn"].items()} for g in groups]
-    for name in (per_fn[0] if per_fn else {}):
-        vals = [v for rank_fns in all_gather(per_fn) for d in rank_fns for v in d[name]]
+    rows = torch.tensor([r for rank_rows in all_gather(rows) for r in rank_rows], dtype=torch.float64)
+    student, teacher = rows[rows[:, 3] == 0], rows[rows[:, 3] == 1]  # reward, length, truncated, teacher, correct
+    out = {"reward/mean": rows[:, 0].mean().item(), "reward/std": rows[:, 0].std().item(),
+           "accuracy": student[:, 4].mean().item(), "completion/mean_length": student[:, 1].mean().item(),
+           "completion/max_length": student[:, 1].max().item(),
+           "completion/truncated_frac": student[:, 2].mean().item()}
+    for src, part in (("student", student), ("teacher", teacher)) if len(teacher) else ():
+        out[f"reward/mean_{src}"] = part[:, 0].mean().item()
+        out[f"completion/mean_length_{src}"] = part[:, 1].mean().item()
+    for name in groups[0]["per_fn"] if groups else ():
+        vals = sum(all_gather([v for g in groups for v in g["per_fn"][name].tolist()]), [])
         out[f"reward/{name}"] = sum(vals) / len(vals)
     return out
 
@@ -591,12 +586,10 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, rank=0, world=1, rng=
                      per_fn={k: v[rows] for k, v in per_fn.items()}, answer=ex["answer"])
             if a.teacher_per_group:  # mixed pool, seed 003: cached completions, frozen rewards from the pool
                 picks = rng.sample(pool[ex["prompt"]], a.teacher_per_group)
-                cut = [teacher_completion(tok, text, tok.eos_token_id, a.max_new_tokens) for text, _ in picks]
-                g["completions"] = g["completions"] + [ids for ids, _ in cut]
-                g["truncated"] = g["truncated"] + [t for _, t in cut]
-                g["rewards"] = torch.cat([g["rewards"], torch.tensor([r for _, r in picks])])
-                g["texts"] = g["texts"] + [text for text, _ in picks]
-                g["is_teacher"] = g["is_teacher"] + [True] * a.teacher_per_group
+                ids, cut = zip(*[teacher_completion(tok, t, tok.eos_token_id, a.max_new_tokens) for t, _ in picks])
+                g.update(completions=g["completions"] + list(ids), truncated=g["truncated"] + list(cut),
+                         rewards=torch.cat([g["rewards"], torch.tensor([r for _, r in picks])]),
+                         texts=g["texts"] + [text for text, _ in picks], is_teacher=[False] * G_s + [True] * len(picks))
             groups.append(g)
             generated.append(g)
         t_rew += time.time() - t0
@@ -871,7 +864,8 @@ def main(argv=None):
         groups, m = rollout(model, tok, stream, reward_fns, pool, a, rank, world, teacher_rng)
         t1 = time.time()
         if m["groups/kept"]:  # the same on every rank; 0 when dynamic sampling kept nothing by its cap
-            m.update(train_step(model, ref_model, opt, collate(groups, tok.pad_token_id, device) if groups else None, a))
+            batch = collate(groups, tok.pad_token_id, device) if groups else None
+            m.update(train_step(model, ref_model, opt, batch, a))
         m["time/train"] = time.time() - t1
         m["completion/tokens"] = all_sum(torch.tensor([float(m["completion/tokens"])], device=device)).item()
         m["tokens_per_second"] = m["completion/tokens"] / (time.time() - t0)
