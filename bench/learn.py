@@ -4,8 +4,9 @@
 
 The task: 'a+b=' for digits a, b (100 prompts), reward `correct` (1/0; DAPO's preset uses +1/-1).
 The model: a 2-layer Qwen2 built locally (tiny.py), byte-level tokenizer, given a short supervised
-warm-up on a few of the sums so it starts with the answer format and partial accuracy; the
-warm-up is reported beside the results. Then grpo.py trains it, full fine-tuning, from there.
+warm-up (200 batches of 16 sums drawn from the table) so it starts with the answer format and
+partial accuracy (about 0.35 sampled); the warm-up is reported beside the results. Then grpo.py
+trains it from there: full fine-tuning, 32 prompts x 8 completions a step, lr 2e-3, 800 steps.
 """
 import json
 import os
