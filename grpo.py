@@ -608,10 +608,10 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, rank=0, world=1, rng=
     if a.top_k_groups and len(all_stds) > a.top_k_groups:  # seed 004 hard filter: the k most informative groups
         top = set(torch.argsort(all_stds, descending=True, stable=True)[: a.top_k_groups].tolist())
         offset = sum(len(r) for r in everyone[:rank])
-        groups = [g for i, g in enumerate(groups) if offset + i in top]
+        keep = [i for i in range(len(groups)) if offset + i in top]
+        groups, stds = [groups[i] for i in keep], [stds[i] for i in keep]
         all_stds = all_stds[sorted(top)]
-    weights = soft_weights(torch.tensor([g["rewards"].std().item() for g in groups]),
-                           all_stds.max() if len(all_stds) else 0.0, a.std_eps).tolist()
+    weights = soft_weights(torch.tensor(stds), all_stds.max() if len(all_stds) else 0.0, a.std_eps).tolist()
     for g, w in zip(groups, weights):
         g["adv"] = group_advantages(g["rewards"][None], a.scale, a.std_eps)[0]  # one advantage over G_s + G_t
         g["adv"] = w * g["adv"] if a.soft_reweight else g["adv"]
@@ -735,14 +735,10 @@ def train_step(model, ref_model, opt, batch: dict | None, a: Args) -> dict:
     def forward(idx, net):
         return token_logps(net, batch["input_ids"][idx], batch["attention_mask"][idx], mask.shape[1], a.temperature)
 
-    old_logp, ref_logp = {}, {}
-    with torch.no_grad():
-        for idx in chunks:
-            if a.num_iterations > 1:  # computed once, before the first update
-                old_logp[tuple(idx)] = forward(idx, model)[0]
-            if a.beta > 0:
-                with reference(model, ref_model) as ref:
-                    ref_logp[tuple(idx)] = forward(idx, ref)[0]
+    with torch.no_grad():  # per micro-batch, once, before the first update
+        old_logp = [forward(idx, model)[0] for idx in chunks] if a.num_iterations > 1 else None
+        with reference(model, ref_model) if a.beta > 0 else contextlib.nullcontext() as ref:
+            ref_logp = [forward(idx, ref)[0] for idx in chunks] if a.beta > 0 else None
     sums = torch.zeros(7, device=dev)  # entropy, clip_low, clip_high, kl, loss (token sums), tokens, rows
     for _ in range(a.num_iterations):
         g_s = [torch.zeros_like(p) for p in params] if a.split_grads else None
@@ -750,15 +746,15 @@ def train_step(model, ref_model, opt, batch: dict | None, a: Args) -> dict:
         for p in params:
             p.grad = torch.zeros_like(p)
         sums.zero_()
-        for idx in chunks:
+        for j, idx in enumerate(chunks):
             m, adv = mask[idx], batch["adv"][idx][:, None]  # (n, C), (n, 1)
             logp, entropy = forward(idx, model)
             # num_iterations = 1: old_logp = logp.detach(), ratio = 1, no extra forward. For teacher rows
             # the old policy is the CURRENT one too (ratio = 1 forced): on them this is advantage-weighted
             # imitation of fixed completions, not on-policy GRPO (seed 003 review).
-            old = old_logp.get(tuple(idx), logp.detach())
+            old = logp.detach() if old_logp is None else old_logp[j]
             loss, clip_low, clip_high = clipped_surrogate(logp, old, adv, a.eps_low, a.eps_high)
-            kl = kl_k3(logp, ref_logp[tuple(idx)]) if a.beta > 0 else torch.zeros_like(logp)
+            kl = kl_k3(logp, ref_logp[j]) if a.beta > 0 else torch.zeros_like(logp)
             loss = loss + a.beta * kl
             total = lambda part: aggregate_loss(loss, m * part, a.loss_agg, a.max_new_tokens, n_seqs, n_tokens)  # noqa
             if a.split_grads:  # seed 003: same normaliser; grads harvested and reset between the passes,
