@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 import rewards as R
 
@@ -362,8 +363,10 @@ def prompt_stream(data: list[dict], seed: int):
 def load_model(a: Args, device: torch.device):
     """Policy (LoRA, QLoRA or full), tokenizer, and a frozen reference only for full fine-tuning with KL."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, GenerationConfig
-    bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
-    dtype = torch.bfloat16 if a.dtype == "bf16" or (a.dtype == "auto" and bf16) else torch.float32
+    # bf16 full fine-tuning keeps fp32 weights, since its AdamW updates (~lr = 2e-5 of a weight) are below
+    # bf16's 8-bit mantissa and would round to nothing, and runs each forward in bf16 autocast (mixed
+    # precision, as HF Trainer's bf16=True). LoRA keeps bf16 base weights; peft keeps adapters in fp32.
+    dtype = torch.bfloat16 if use_bf16(a, device) and a.lora_r > 0 else torch.float32
     tok = AutoTokenizer.from_pretrained(a.model)
     tok.padding_side = "left"  # batched generation appends to the right end of every row
     if tok.pad_token is None:
@@ -397,6 +400,15 @@ def load_model(a: Args, device: torch.device):
     elif a.beta > 0:  # full fine-tuning with KL: a frozen copy is the reference
         ref_model = copy.deepcopy(model).eval().requires_grad_(False)
     return model, tok, ref_model
+
+
+def use_bf16(a: Args, device: torch.device) -> bool:
+    return a.dtype == "bf16" or (a.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported())
+
+
+def autocast(a: Args, device: torch.device):
+    """bf16 autocast around full fine-tuning's forwards (its weights stay fp32, see load_model)."""
+    return torch.autocast(device.type, torch.bfloat16, enabled=a.lora_r == 0 and use_bf16(a, device))
 
 
 def make_optimizer(a: Args, model):
@@ -434,8 +446,8 @@ def lora_merged(model, a: Args):
     layers = [m for m in model.modules() if hasattr(m, "get_delta_weight")] if a.lora_r and not a.load_in_4bit else []
     originals = [m.get_base_layer().weight.data for m in layers]
     for m in layers:
-        m.get_base_layer().weight.data = m.get_base_layer().weight.data + sum(
-            m.get_delta_weight(name) for name in m.active_adapters)
+        w = m.get_base_layer().weight.data  # the delta is fp32 (peft's adapters): keep the base's dtype
+        m.get_base_layer().weight.data = w + sum(m.get_delta_weight(name) for name in m.active_adapters).to(w.dtype)
         m.merged_adapters.extend(m.active_adapters)  # peft then skips the adapter in forward
     try:
         yield
@@ -458,7 +470,7 @@ def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False
                            eos_token_id=eos_ids, **sampling)
     was_training = model.training
     model.eval()
-    with lora_merged(model, a):
+    with lora_merged(model, a), autocast(a, model.device):
         out = model.generate(input_ids=enc.input_ids.repeat_interleave(n, 0),
                              attention_mask=enc.attention_mask.repeat_interleave(n, 0), generation_config=cfg)
     model.train(was_training)
@@ -646,20 +658,24 @@ def collate(groups: list[dict], pad_id: int, device) -> dict:
 # ----------------------------------------------------------------------------- log-probs
 def token_logps(model, input_ids, attention_mask, n_completion: int, temperature: float = 1.0):
     """Log-probs and entropy (N, C) of the last C tokens, from one forward over prompt + completion.
-    Logits only at the completion positions (logits_to_keep), fp32 one row at a time: no (N, C, V)
-    fp32 copy of the micro-batch. Position ids count real tokens, as generate() did with left padding."""
+    Position ids count real tokens, as generate() did with left padding. The vocabulary is wide
+    (V = 151,936 for Qwen2.5): the output layer runs on one row of hidden states at a time, in fp32,
+    and with grad it is recomputed in backward (checkpoint), so no (N, C, V) logits are ever held."""
     pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos, use_cache=False,
-                   logits_to_keep=n_completion + 1).logits[:, :-1]  # (N, C, V): position t predicts token t+1
-    targets = input_ids[:, -n_completion:]  # (N, C)
-    logp, entropy = [], []
-    for row, tgt in zip(logits, targets):
-        row = row.float() / temperature  # (C, V)
-        lse = row.logsumexp(-1)
-        logp.append(row.gather(-1, tgt[:, None])[:, 0] - lse)
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
+                                 use_cache=False).last_hidden_state[:, -n_completion - 1:-1]  # (N, C, H)
+    targets = input_ids[:, -n_completion:]  # (N, C): hidden state t predicts token t+1
+    head = model.get_output_embeddings()
+
+    def row(h, tgt):  # (C, H), (C,) -> logp, entropy (C,)
+        logits = head(h).float() / temperature  # (C, V)
+        lse = logits.logsumexp(-1)
         with torch.no_grad():  # entropy from the same logits: a metric, no extra pass
-            entropy.append(lse - (row.softmax(-1) * row).sum(-1))
-    return torch.stack(logp), torch.stack(entropy)
+            entropy = lse - (logits.softmax(-1) * logits).sum(-1)
+        return logits.gather(-1, tgt[:, None])[:, 0] - lse, entropy
+    grad = torch.is_grad_enabled()
+    rows = [checkpoint(row, h, t, use_reentrant=False) if grad else row(h, t) for h, t in zip(hidden, targets)]
+    return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
 
 
 @contextlib.contextmanager
@@ -733,7 +749,8 @@ def train_step(model, ref_model, opt, batch: dict | None, a: Args) -> dict:
     chunks = [rows[i:i + a.micro_batch_size] for i in range(0, len(rows), a.micro_batch_size)]
 
     def forward(idx, net):
-        return token_logps(net, batch["input_ids"][idx], batch["attention_mask"][idx], mask.shape[1], a.temperature)
+        with autocast(a, dev):
+            return token_logps(net, batch["input_ids"][idx], batch["attention_mask"][idx], mask.shape[1], a.temperature)
 
     with torch.no_grad():  # per micro-batch, once, before the first update
         old_logp = [forward(idx, model)[0] for idx in chunks] if a.num_iterations > 1 else None
