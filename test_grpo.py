@@ -37,6 +37,19 @@ def loaded(tiny_dir):
     return a, model, tok
 
 
+@pytest.fixture(scope="session")
+def loaded_bf16(tiny_dir):
+    a = grpo.parse_args(["--model", tiny_dir, "--algo", "drgrpo", "--dtype", "bf16"] + TINY)
+    model, tok, _ = grpo.load_model(a, torch.device("cpu"))
+    return a, model, tok
+
+
+@pytest.fixture(scope="session")
+def wide_dir(tmp_path_factory):
+    """Qwen2.5-0.5B's vocabulary width (151,936 logits a token) on a small body: the width is what it tests."""
+    return tiny.make_tiny(str(tmp_path_factory.mktemp("wide") / "model"), layers=1, hidden=64, vocab=151936)
+
+
 def run(args, cwd=HERE, check=True, timeout=300):
     p = subprocess.run([sys.executable, os.path.join(HERE, "grpo.py")] + args, cwd=cwd, capture_output=True,
                        text=True, timeout=timeout)
@@ -274,10 +287,15 @@ def test_gsm8k_format_jsonl(tmp_path):
 
 
 # ----------------------------------------------------------------------------- tier 2: tiny model in-process
-def test_train_logps_match_the_sampler(loaded):
-    """The training forward (left padding, position ids, logits_to_keep) gives the log-probs the sampler
-    used: otherwise ratio = 1 would be a lie."""
-    a, model, tok = loaded
+@pytest.mark.parametrize("dtype, atol", [("fp32", 1e-4), ("bf16", 1e-2)])
+def test_train_logps_match_the_sampler(loaded, loaded_bf16, dtype, atol):
+    """The training forward (left padding, position ids, hidden states of the completion only) gives the
+    log-probs the sampler used: otherwise ratio = 1 would be a lie. In bf16 the two may differ by
+    rounding alone: the sampler's cached decoding and the training forward can add the same bf16
+    numbers in another order, and one bf16 rounding is worth at most 2^-9 of a value. The logits here
+    are below 1.5 in size, so 0.01 nat allows several roundings (measured on this CPU: 5e-7), while a
+    shifted position or a padding bug moves log-probs by tenths of a nat or more."""
+    a, model, tok = loaded if dtype == "fp32" else loaded_bf16
     from transformers import GenerationConfig
     texts = [grpo.chat_prompt(tok, q, "") for q in ("1+1?", "a much longer question, 12 + 30?")]
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
@@ -290,12 +308,13 @@ def test_train_logps_match_the_sampler(loaded):
     attn = torch.cat([enc.attention_mask, torch.ones_like(comp)], 1)
     logp, entropy = grpo.token_logps(model, out.sequences, attn, comp.shape[1])
     mask, _ = grpo.completion_mask(comp, model.generation_config.eos_token_id)
-    assert torch.allclose(logp[mask], sampler[mask], atol=1e-4)
+    assert (logp[mask] - sampler[mask].float()).abs().max() <= atol
     assert (entropy > 0).all() and (entropy <= math.log(len(tok)) + 1e-4).all()
 
 
-def test_generation_with_the_lora_merged_leaves_the_weights_bit_for_bit(loaded):
-    a, model, tok = loaded
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_generation_with_the_lora_merged_leaves_the_weights_bit_for_bit(loaded, loaded_bf16, dtype):
+    a, model, tok = loaded if dtype == "fp32" else loaded_bf16
     model = copy.deepcopy(model)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -304,10 +323,21 @@ def test_generation_with_the_lora_merged_leaves_the_weights_bit_for_bit(loaded):
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     texts = [grpo.chat_prompt(tok, q, "") for q in ("1+1?", "a longer question, 12 + 30?")]
     _, merged, _ = grpo.generate(model, tok, texts, 1, replace(a, max_new_tokens=10), greedy=True)
-    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert all(torch.equal(p, before[n]) and p.dtype == before[n].dtype for n, p in model.named_parameters())
     assert not any(m.merged for m in model.modules() if hasattr(m, "merged_adapters"))
+    base = {p.dtype for n, p in model.named_parameters() if "lora" not in n}
+    assert base == {torch.float32 if dtype == "fp32" else torch.bfloat16}
+    assert {p.dtype for n, p in model.named_parameters() if "lora" in n} == {torch.float32}  # adapters stay fp32
     _, unmerged, _ = grpo.generate(model, tok, texts, 1, replace(a, max_new_tokens=10, lora_r=0), greedy=True)
-    assert [c.tolist() for c in merged] == [c.tolist() for c in unmerged]  # same policy either way
+    if dtype == "fp32":
+        assert [c.tolist() for c in merged] == [c.tolist() for c in unmerged]  # same policy either way
+    # the same policy up to the rounding of W + delta to bf16 (2^-9 of each weight; measured 0.02 nat)
+    ids = torch.randint(4, len(tok), (2, 16))
+    with torch.no_grad():
+        with grpo.lora_merged(model, a):
+            folded = model(input_ids=ids).logits.float().log_softmax(-1)
+        apart = model(input_ids=ids).logits.float().log_softmax(-1)
+    assert (folded - apart).abs().max() < (1e-5 if dtype == "fp32" else 0.1)
 
 
 def test_sampling_ignores_the_model_s_own_generation_defaults(tmp_path):
@@ -383,6 +413,43 @@ def test_zero_variance_skip_leaves_the_gradient_unchanged(loaded, agg):
     full, m2 = sgd_update(model, replace(a, skip_zero_variance=False), groups, tok.pad_token_id)
     assert (m1["train/rows"], m2["train/rows"]) == (8, 16)  # two of four groups skipped
     assert_same_update(skipped, full)
+
+
+def test_bf16_full_fine_tuning_moves_the_weights(tiny_dir):
+    """One bf16 full fine-tuning step at the default learning rate changes (nearly) every weight. In pure
+    bf16 most would not move: AdamW's first update is ~lr = 2e-5 per weight, while bf16's 8-bit
+    mantissa spaces the values near a weight of size 0.02 by ~1e-4. So the weights stay fp32 and the
+    forwards run in bf16 autocast."""
+    a = grpo.parse_args(["--model", tiny_dir, "--algo", "drgrpo", "--dtype", "bf16", "--lora-r", "0"] + TINY
+                        + ["--learning-rate", str(grpo.Args.learning_rate)])
+    model, tok, _ = grpo.load_model(a, torch.device("cpu"))
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    batch = grpo.collate(tiny.fixed_groups(tok, REWARDS, a), tok.pad_token_id, "cpu")
+    seen = []  # the dtype the matmuls ran in during the step
+    model.get_decoder().layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    grpo.train_step(model, None, grpo.make_optimizer(a, model), batch, a)
+    assert set(seen) == {torch.bfloat16}
+    n = sum(p.numel() for p in model.parameters())
+    moved = sum((p != before[k]).sum().item() for k, p in model.named_parameters())
+    kept_in_bf16 = sum((p.to(torch.bfloat16) != before[k].to(torch.bfloat16)).sum().item()
+                       for k, p in model.named_parameters())  # what pure bf16 weights would have kept
+    assert moved / n > 0.9 and kept_in_bf16 / n < 0.5, (moved / n, kept_in_bf16 / n)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("algo", ["grpo", "dapo"])
+def test_one_step_at_the_full_vocabulary_width(wide_dir, algo, dtype):
+    """151,936 logits a token, as Qwen2.5: every sampled id decodes, the step trains, entropy is in range."""
+    a = grpo.parse_args(["--model", wide_dir, "--algo", algo, "--dtype", dtype] + TINY)
+    model, tok, ref = grpo.load_model(a, torch.device("cpu"))
+    assert model.get_output_embeddings().weight.shape[0] == len(tok) == 151936
+    groups, stats = rollout(a, model, tok, stub_reward(lambda i: float(i % 2)))
+    ids = torch.cat([c for g in groups for c in g["completions"]])
+    assert ids.max() < len(tok) and all(isinstance(t, str) for g in groups for t in g["texts"])
+    m = grpo.train_step(model, ref, grpo.make_optimizer(a, model), grpo.collate(groups, tok.pad_token_id, "cpu"), a)
+    assert m["grad/norm"] > 0 and math.isfinite(m["loss"]) and math.isfinite(m["kl"])
+    assert 0 < m["policy/entropy"] <= math.log(len(tok)) + 1e-3
 
 
 def test_parameters_change_after_one_step(loaded):
@@ -502,10 +569,12 @@ def answer_reward(tmp_path):
     return ["--reward-fn", f"{tmp_path}/rw.py:digits", "--rewards", "correct"]
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # bf16: what --dtype auto picks on a GPU
 @pytest.mark.parametrize("algo", list(grpo.PRESETS))
-def test_each_preset_trains_two_steps_and_saves_a_loadable_adapter(tiny_dir, tmp_path, algo):
+def test_each_preset_trains_two_steps_and_saves_a_loadable_adapter(tiny_dir, tmp_path, algo, dtype):
     out = str(tmp_path / "out")
-    run(["--algo", algo, "--model", tiny_dir, "--max-steps", "2", "--output-dir", out] + TINY + answer_reward(tmp_path))
+    run(["--algo", algo, "--model", tiny_dir, "--max-steps", "2", "--output-dir", out, "--dtype", dtype] + TINY
+        + answer_reward(tmp_path))
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
     assert not [k for k in KEYS if k not in rows[-1]]
@@ -521,9 +590,9 @@ def test_each_preset_trains_two_steps_and_saves_a_loadable_adapter(tiny_dir, tmp
 @pytest.mark.parametrize("extra", [["--load-in-4bit"], ["--optim", "adamw_8bit"], ["--optim", "paged_adamw_8bit"],
                                    ["--lora-r", "0", "--beta", "0.04", "--gradient-checkpointing"]])
 def test_memory_options_train(tiny_dir, tmp_path, extra):
-    out = str(tmp_path / "out")
-    run(["--algo", "grpo", "--model", tiny_dir, "--max-steps", "2", "--output-dir", out] + TINY + extra
-        + answer_reward(tmp_path))
+    out = str(tmp_path / "out")  # in bf16, as on a GPU (QLoRA: bf16 compute)
+    run(["--algo", "grpo", "--model", tiny_dir, "--max-steps", "2", "--output-dir", out, "--dtype", "bf16"] + TINY
+        + extra + answer_reward(tmp_path))
     rows = metrics(out)
     assert len(rows) == 2 and rows[0]["grad/norm"] > 0 and math.isfinite(rows[1]["kl"])
 
@@ -650,10 +719,11 @@ def mixed_files(tmp_path, n_prompts=4):
     return ["--dataset", path, "--teacher-pool", pool]
 
 
-def test_mixed_pool_run_with_split_grads(tiny_dir, tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--dtype", "bf16", "--num-iterations", "2"]])
+def test_mixed_pool_run_with_split_grads(tiny_dir, tmp_path, extra):
     out = str(tmp_path / "out")
     run(["--algo", "drgrpo", "--model", tiny_dir, "--max-steps", "2", "--output-dir", out, "--teacher-per-group", "2",
-         "--split-grads"] + TINY + mixed_files(tmp_path) + answer_reward(tmp_path))
+         "--split-grads"] + TINY + extra + mixed_files(tmp_path) + answer_reward(tmp_path))
     for m in metrics(out):
         ns, nt, cos = m["grad/norm_student"], m["grad/norm_teacher"], m["grad/cos_student_teacher"]
         assert m["grad/norm"] ** 2 == pytest.approx(ns ** 2 + nt ** 2 + 2 * ns * nt * cos, rel=1e-3)

@@ -1,4 +1,6 @@
-"""A tiny Qwen2 model and character-level tokenizer built locally (nothing is downloaded)."""
+"""A tiny Qwen2 model and byte-level tokenizer built locally (nothing is downloaded), up to Qwen2.5-0.5B's widths."""
+import itertools
+
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
@@ -8,10 +10,15 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
 
 
-def make_tokenizer(chat_template=CHAT_TEMPLATE, pad="<|endoftext|>"):
-    """Byte-level BPE with one token per byte and no merges: Qwen2's scheme, tiny."""
-    byte_chars = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {t: i for i, t in enumerate(SPECIALS + sorted(byte_chars))}
+def make_tokenizer(chat_template=CHAT_TEMPLATE, pad="<|endoftext|>", vocab_size=0):
+    """Byte-level BPE with one token per byte and no merges: Qwen2's scheme, tiny. vocab_size pads the
+    vocabulary with multi-byte tokens (pairs, then triples of byte symbols) that encoding never
+    produces but every one of which decodes, as a real model's vocabulary does."""
+    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {t: i for i, t in enumerate(SPECIALS + byte_chars)}
+    fillers = itertools.chain(itertools.product(byte_chars, repeat=2), itertools.product(byte_chars, repeat=3))
+    for chars in itertools.islice(fillers, max(0, vocab_size - len(vocab))):
+        vocab["".join(chars)] = len(vocab)
     tk = Tokenizer(models.BPE(vocab, merges=[]))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
@@ -20,12 +27,18 @@ def make_tokenizer(chat_template=CHAT_TEMPLATE, pad="<|endoftext|>"):
                                    chat_template=chat_template)
 
 
-def make_tiny(path, layers=2, hidden=64, seed=0, **tok_kw):
+QWEN25_05B = dict(vocab=151936, hidden=896, heads=14, kv_heads=2, intermediate=4864)  # 24 layers in the real one
+
+
+def make_tiny(path, layers=2, hidden=64, seed=0, vocab=0, heads=4, kv_heads=2, intermediate=0, **tok_kw):
+    """A random Qwen2 and its tokenizer saved to path. tiny.make_tiny(path, layers=2, **tiny.QWEN25_05B)
+    has Qwen2.5-0.5B's widths (vocabulary, hidden, heads, MLP) with fewer layers."""
     torch.manual_seed(seed)
-    tok = make_tokenizer(**tok_kw)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    tok = make_tokenizer(vocab_size=vocab, **tok_kw)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      max_position_embeddings=4096, tie_word_embeddings=True, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)
     model = Qwen2ForCausalLM(cfg)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(path)
