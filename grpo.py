@@ -71,8 +71,10 @@ class Args:
     # run
     algo: str = flag("grpo", "preset: grpo | drgrpo | dapo | drgrpo_soft (sets defaults; explicit flags win)")
     model: str = flag("Qwen/Qwen2.5-0.5B-Instruct", "hub id or local directory")
-    output_dir: str = flag("grpo_out", "checkpoint/ (adapter or model, tokenizer, grpo_args.json) and "
-                           "metrics.jsonl go here")
+    output_dir: str = flag("grpo_out", "checkpoint/ (adapter or model, tokenizer, optimizer, RNG, grpo_args.json) "
+                           "and metrics.jsonl go here")
+    resume: bool = flag(False, "continue the run saved in --output-dir (its flags; only run-length flags may change)")
+    overwrite: bool = flag(False, "start over in an --output-dir that holds a previous run, deleting it")
     max_steps: int = flag(200, "optimizer steps (x num_iterations)")
     seed: int = flag(0, "seeds data order, sampling (+1000*rank) and LoRA init")
     dry_run: bool = flag(False, "print the resolved flags and the objective they optimise, then exit")
@@ -145,6 +147,8 @@ PRESETS = {  # SPEC §5; values from the papers and seeds
     "drgrpo_soft": dict(scale="none", loss_agg="seq-mean-token-sum", eps_low=0.2, eps_high=0.2, beta=0.0,
                         soft_reweight=True),
 }
+RUN_LENGTH = {"output_dir", "resume", "overwrite", "dry_run", "max_steps", "save_every", "eval_every", "eval_prompts",
+              "wandb_project"}  # what --resume lets change
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 OPTIMS = ("adamw_torch", "adamw_8bit", "paged_adamw_8bit")
 
@@ -156,14 +160,23 @@ def parse_args(argv=None) -> Args:
         if f.name in STAGES:
             group = parser.add_argument_group(STAGES[f.name])
         kind = dict(action=argparse.BooleanOptionalAction) if f.type in (bool, "bool") else dict(type=type(f.default))
-        group.add_argument("--" + f.name.replace("_", "-"), help=f"{f.metadata['help']} [{f.default!r}]", **kind)
+        by_algo = {algo: preset.get(f.name, f.default) for algo, preset in PRESETS.items()}
+        default = ", ".join(f"{k} {v!r}" for k, v in by_algo.items()) if len(set(by_algo.values())) > 1 else repr(f.default)
+        group.add_argument("--" + f.name.replace("_", "-"), help=f"{f.metadata['help']} [{default}]", **kind)
     given = vars(parser.parse_args(argv))
     algo = given.get("algo", Args.algo)
     if algo not in PRESETS:
         fail(f"--algo {algo!r} is not one of {', '.join(PRESETS)}")
-    args = Args(**{**PRESETS[algo], **given})  # a preset is defaults; an explicit flag wins
-    if args.reward_fn and "rewards" not in given:
-        args.rewards = ""  # a custom reward alone, unless --rewards names built-ins too
+    defaults = PRESETS[algo]  # a preset is defaults; an explicit flag wins
+    if given.get("resume"):  # the saved run's flags are the defaults; only run-length flags may differ
+        defaults = saved_args(given.get("output_dir", Args.output_dir))
+        for k, v in given.items():
+            if k not in RUN_LENGTH and defaults[k] != v:
+                fail(f"--resume: --{k.replace('_', '-')} is {v!r} here but {defaults[k]!r} in the saved run: drop "
+                     f"the flag to continue that run, or start a new one in another --output-dir")
+    elif given.get("reward_fn") and "rewards" not in given:
+        defaults = {**defaults, "rewards": ""}  # a custom reward alone, unless --rewards names built-ins too
+    args = Args(**{**defaults, **given})
     # derived values
     if args.overlong_penalty and args.overlong_buffer == 0:
         args.overlong_buffer = max(1, args.max_new_tokens // 5)
@@ -181,11 +194,22 @@ def check_args(a: Args):
         fail(f"--optim {a.optim!r}: use one of {', '.join(OPTIMS)}")
     if a.dtype not in ("auto", "bf16", "fp32"):
         fail(f"--dtype {a.dtype!r}: use auto, bf16 or fp32")
-    for name in ("prompts_per_step", "max_new_tokens", "micro_batch_size", "num_iterations", "max_gen_rounds"):
+    for name in ("prompts_per_step", "num_generations", "max_new_tokens", "micro_batch_size", "num_iterations",
+                 "max_gen_rounds", "max_steps"):
         if getattr(a, name) < 1:
             fail(f"--{name.replace('_', '-')} must be at least 1")
+    for name in ("save_every", "eval_every", "top_k", "lora_r", "max_grad_norm", "weight_decay", "teacher_per_group"):
+        if getattr(a, name) < 0:
+            fail(f"--{name.replace('_', '-')} must be >= 0")
+    for name, ok, want in (("temperature", a.temperature > 0, "> 0"), ("top_p", 0 < a.top_p <= 1, "in (0, 1]"),
+                           ("lora_dropout", 0 <= a.lora_dropout < 1, "in [0, 1)"),
+                           ("learning_rate", a.learning_rate > 0, "> 0")):
+        if not ok:
+            fail(f"--{name.replace('_', '-')} must be {want}")
     if a.num_generations + a.teacher_per_group < 2:
         fail("a group needs at least 2 completions for a group-relative advantage: raise --num-generations")
+    if a.resume and a.overwrite:
+        fail("--resume continues the run in --output-dir and --overwrite deletes it: give one of them")
     if not 0 <= a.eps_low < 1 or a.eps_high < 0:
         fail("--eps-low must be in [0, 1) and --eps-high >= 0")
     if a.load_in_4bit and a.lora_r == 0:
@@ -656,11 +680,34 @@ def collate(groups: list[dict], pad_id: int, device) -> dict:
 
 
 # ----------------------------------------------------------------------------- log-probs
+class FrozenHeadLogp(torch.autograd.Function):
+    """Log-probs of the targets (and entropy) from hidden states h (C, H) through a frozen output layer
+    W (V, H), as LoRA leaves it, without keeping the (C, V) logits for backward. With z = h W^T / T:
+    d logp / d h = (W[target] - softmax(z) W) / T, and softmax(z) W is one matmul in the forward, the
+    same work as the dz W that autograd's backward would do, so nothing is recomputed."""
+    @staticmethod
+    def forward(ctx, h, weight, target, temperature):
+        z = (h @ weight.T).float() / temperature  # (C, V)
+        lse = z.logsumexp(-1)
+        p = (z - lse[:, None]).exp_()
+        ctx.temperature = temperature
+        ctx.save_for_backward(weight[target] - p.to(weight.dtype) @ weight)  # (C, H)
+        entropy = lse - (p * z).sum(-1)
+        ctx.mark_non_differentiable(entropy)
+        return z.gather(-1, target[:, None])[:, 0] - lse, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, _):
+        d, = ctx.saved_tensors
+        return (grad_logp[:, None] * d.float() / ctx.temperature).to(d.dtype), None, None, None
+
+
 def token_logps(model, input_ids, attention_mask, n_completion: int, temperature: float = 1.0):
     """Log-probs and entropy (N, C) of the last C tokens, from one forward over prompt + completion.
     Position ids count real tokens, as generate() did with left padding. The vocabulary is wide
-    (V = 151,936 for Qwen2.5): the output layer runs on one row of hidden states at a time, in fp32,
-    and with grad it is recomputed in backward (checkpoint), so no (N, C, V) logits are ever held."""
+    (V = 151,936 for Qwen2.5), so the output layer runs on one row of hidden states at a time, in fp32,
+    and no (N, C, V) logits are kept for backward: a frozen output layer (LoRA) takes FrozenHeadLogp, a
+    trained one (full fine-tuning) recomputes its row's logits in backward (checkpoint)."""
     pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
                                  use_cache=False).last_hidden_state[:, -n_completion - 1:-1]  # (N, C, H)
@@ -673,8 +720,12 @@ def token_logps(model, input_ids, attention_mask, n_completion: int, temperature
         with torch.no_grad():  # entropy from the same logits: a metric, no extra pass
             entropy = lse - (logits.softmax(-1) * logits).sum(-1)
         return logits.gather(-1, tgt[:, None])[:, 0] - lse, entropy
-    grad = torch.is_grad_enabled()
-    rows = [checkpoint(row, h, t, use_reentrant=False) if grad else row(h, t) for h, t in zip(hidden, targets)]
+    if not torch.is_grad_enabled():
+        rows = [row(h, t) for h, t in zip(hidden, targets)]
+    elif head.weight.requires_grad or head.bias is not None:
+        rows = [checkpoint(row, h, t, use_reentrant=False) for h, t in zip(hidden, targets)]
+    else:
+        rows = [FrozenHeadLogp.apply(h, head.weight, t, temperature) for h, t in zip(hidden, targets)]
     return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
 
 

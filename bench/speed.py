@@ -1,20 +1,28 @@
 """Speed and memory: grpo.py against TRL's GRPOTrainer and against the floor, on one workload.
 
-    pip install trl==1.16.0 matplotlib      # the bench's own extras, not grpo.py's
-    python bench/speed.py                   # CPU: a tiny Qwen2 built locally, fp32
-    python bench/speed.py --device cuda     # GPU: Qwen2.5-0.5B's shape, random weights, bf16
+    pip install -r bench/requirements.txt           # the bench's own extras, not grpo.py's
+    python bench/speed.py                           # CPU: a small Qwen2 built locally (4 x 256, 259 tokens), fp32
+    python bench/speed.py --real-width --dtype bf16 # CPU: Qwen2.5-0.5B's widths (vocab 151,936), 2 layers
+    python bench/speed.py --device cuda             # GPU: Qwen2.5-0.5B's shape (24 layers), random weights, bf16
 
-Workload (both contenders, same model, same reward): 4 prompts x 8 completions a step, up to 64 new
-tokens, LoRA r16 on all linear layers, beta 0, Dr. GRPO loss (no std, / (n_seq * T)), one
-optimizer step per rollout, gradient checkpointing on in both trainers (TRL's GRPOConfig default;
-`--no-gc` turns it off in both, grpo.py's default). The floor never checkpoints. The floor is what no GRPO trainer can beat: one batched HF `generate`
-of the same 32 completions and one forward/backward over them.
+Workload (every contender, same model, same reward): B prompts x G completions a step (4 x 8; 2 x 8
+with --real-width), up to 64 new tokens, LoRA r16 on all linear layers, beta 0, Dr. GRPO loss (no
+std, / (n_seq * T)), one optimizer step per rollout, gradient checkpointing on in both trainers
+(TRL's GRPOConfig default; `--no-gc` turns it off in both, grpo.py's default). The floor never
+checkpoints. The floor is what no GRPO trainer can beat: one batched HF `generate` of the same
+completions and one forward/backward over them.
+
+--real-width: the model has Qwen2.5-0.5B's widths (151,936-token vocabulary, hidden 896, 14 heads,
+2 KV heads, MLP 4,864) with --layers layers, the tokenizer is padded to the whole vocabulary, and
+prompts are GSM8K-length (about 190 tokens with the default system prompt and the chat template, as
+a GSM8K question is in Qwen's tokenizer; this tokenizer spends one token per byte).
 
 Two workloads: `graded` (a reward that differs within every group) and `binary` (0/1; 2 prompts in 5
 always get 0 for every completion, so about 40% of groups have all-equal rewards, as on GSM8K).
 Each contender runs in its own child process, interleaved A B C A B C ..., `--reps` times, each
 time `--steps` timed steps after one untimed warm-up step. Printed: the median seconds per 1k
-completion tokens, the ratio to TRL and to the floor, and peak resident memory (max RSS of the child).
+completion tokens, the ratio to TRL and to the floor, and peak memory (max RSS of the child; on
+CUDA, the peak of torch's allocator).
 """
 import argparse
 import json
@@ -34,7 +42,10 @@ import grpo  # noqa: E402
 import tiny  # noqa: E402
 
 B, G, T, LORA_R, LR = 4, 8, 64, 16, 1e-5
+SYSTEM, DTYPE = "", "fp32"  # --real-width: grpo.py's default system prompt; --dtype
 PROMPTS = [f"Question {i}: what is {i} + {2 * i}? Think, then answer." for i in range(40)]
+GSM8K_LENGTH = [f"Question {i}: Ava buys {i + 3} boxes of {2 * i + 5} pens and gives away {i + 2} pens. How many "
+                f"pens does Ava have left?" for i in range(40)]
 
 
 def graded(completion, answer, **kw):
@@ -48,20 +59,10 @@ def binary(completion, answer, **kw):
     return 0.0 if answer == "never" else float(sum(map(ord, completion)) % 2)
 
 
-def build(model_dir, device):
-    if device == "cpu":
+def build(model_dir, real_width, layers):
+    if not real_width:
         return tiny.make_tiny(model_dir, layers=4, hidden=256)
-    from transformers import Qwen2Config, Qwen2ForCausalLM  # Qwen2.5-0.5B's shape, random weights
-    tok = tiny.make_tokenizer()
-    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                      num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
-                      max_position_embeddings=4096, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    model = Qwen2ForCausalLM(cfg)
-    model.generation_config.eos_token_id = tok.eos_token_id
-    model.generation_config.suppress_tokens = list(range(len(tok), cfg.vocab_size))  # ids the tokenizer lacks
-    model.save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
-    return model_dir
+    return tiny.make_tiny(model_dir, layers=layers, **tiny.QWEN25_05B)  # random weights, padded tokenizer
 
 
 def data(workload):
@@ -82,7 +83,7 @@ def child_grpo(model_dir, workload, steps, device, tmp):
                f"{os.path.abspath(__file__)}:{workload}", "--prompts-per-step", str(B), "--num-generations", str(G),
                "--max-new-tokens", str(T), "--lora-r", str(LORA_R), "--learning-rate", str(LR), "--micro-batch-size",
                str(B * G), "--max-steps", str(steps + 1), "--eval-every", "0", "--save-every", "0", "--system-prompt",
-               "", "--output-dir", out, "--dtype", "fp32" if device == "cpu" else "bf16", "--beta", "0"]
+               SYSTEM, "--output-dir", out, "--dtype", DTYPE, "--beta", "0"]
               + (["--gradient-checkpointing"] if GC else []))
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][1:]
     return [(r["completion/tokens"] / r["tokens_per_second"], r["completion/tokens"]) for r in rows]  # whole step
@@ -93,7 +94,9 @@ def child_trl(model_dir, workload, steps, device, tmp):
     import peft
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
-    rows = [{"prompt": [{"role": "user", "content": d["prompt"]}], "answer": d["answer"]} for d in data(workload)]
+    system = [{"role": "system", "content": SYSTEM}] if SYSTEM else []
+    rows = [{"prompt": system + [{"role": "user", "content": d["prompt"]}], "answer": d["answer"]}
+            for d in data(workload)]
     reward = graded if workload == "graded" else binary
 
     def reward_fn(completions, answer, **kw):
@@ -110,11 +113,11 @@ def child_trl(model_dir, workload, steps, device, tmp):
         def on_log(self, args, state, control, logs=None, **k):
             if logs and "completions/mean_length" in logs:
                 tokens.append(logs["completions/mean_length"] * B * G)
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    dtype = torch.bfloat16 if DTYPE == "bf16" else torch.float32
     cfg = GRPOConfig(output_dir=os.path.join(tmp, "trl"), per_device_train_batch_size=B * G, num_generations=G,
                      max_completion_length=T, learning_rate=LR, beta=0.0, loss_type="dr_grpo", scale_rewards="none",
                      temperature=1.0, top_p=1.0, max_steps=steps + 1, logging_steps=1, save_strategy="no",
-                     report_to="none", use_cpu=device == "cpu", bf16=device != "cpu", seed=0, disable_dropout=True,
+                     report_to="none", use_cpu=device == "cpu", bf16=DTYPE == "bf16", seed=0, disable_dropout=True,
                      gradient_checkpointing=GC)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=cfg, train_dataset=datasets.Dataset.from_list(rows),
@@ -127,14 +130,14 @@ def child_trl(model_dir, workload, steps, device, tmp):
 
 def child_floor(model_dir, workload, steps, device, tmp):
     """One batched generate + one forward/backward of the same completions: no reward, no advantage."""
-    a = grpo.parse_args(["--model", model_dir, "--lora-r", str(LORA_R), "--max-new-tokens", str(T), "--system-prompt", "",
-                         "--dtype", "fp32" if device == "cpu" else "bf16"])
+    a = grpo.parse_args(["--model", model_dir, "--lora-r", str(LORA_R), "--max-new-tokens", str(T), "--system-prompt",
+                         SYSTEM, "--dtype", DTYPE])
     model, tok, _ = grpo.load_model(a, torch.device(device))
     opt = grpo.make_optimizer(a, model)
     out = []
     for step in range(steps + 1):
         t0 = time.perf_counter()
-        texts = [grpo.chat_prompt(tok, d["prompt"], "") for d in data(workload)[step * B:(step + 1) * B]]
+        texts = [grpo.chat_prompt(tok, d["prompt"], SYSTEM) for d in data(workload)[step * B:(step + 1) * B]]
         prompts, comps, _ = grpo.generate(model, tok, texts, G, a)
         groups = [dict(prompt_ids=prompts[i], completions=comps[i * G:(i + 1) * G], truncated=[False] * G,
                        adv=torch.zeros(G), is_teacher=[False] * G, rewards=torch.zeros(G)) for i in range(B)]
@@ -166,10 +169,18 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--workloads", default="graded,binary")
     p.add_argument("--no-gc", action="store_true", help="no gradient checkpointing in either trainer")
+    p.add_argument("--real-width", action="store_true", help="Qwen2.5-0.5B's widths, 2 x 8 a step, GSM8K-length "
+                   "prompts with the default system prompt (always on with --device cuda)")
+    p.add_argument("--layers", type=int, default=0, help="layers of the real-width model (default 2 on CPU, 24 on GPU)")
+    p.add_argument("--dtype", default="", help="fp32 | bf16 (default fp32 on CPU, bf16 on GPU)")
     p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)  # NAME WORKLOAD MODEL_DIR RESULT.json
     args = p.parse_args()
-    global GC
+    global GC, B, SYSTEM, DTYPE, PROMPTS
     GC = not args.no_gc
+    DTYPE = args.dtype or ("fp32" if args.device == "cpu" else "bf16")
+    real_width = args.real_width or args.device == "cuda"
+    if real_width:
+        B, SYSTEM, PROMPTS = 2, grpo.Args.system_prompt, GSM8K_LENGTH
     if args.child:
         name, workload, model_dir, result = args.child
         torch.manual_seed(0)
@@ -178,7 +189,7 @@ def main():
         json.dump({"steps": steps, "peak_mb": peak_memory_mb(args.device)}, open(result, "w"))
         return
     tmp = tempfile.mkdtemp()
-    model_dir = build(os.path.join(tmp, "model"), args.device)
+    model_dir = build(os.path.join(tmp, "model"), real_width, args.layers or (24 if args.device == "cuda" else 2))
     lines = []
     for workload in args.workloads.split(","):
         per_1k, rep_medians = {n: [] for n in CHILDREN}, {n: [] for n in CHILDREN}
@@ -186,9 +197,8 @@ def main():
         for rep in range(args.reps):
             for name in CHILDREN:  # interleaved: A B C A B C ...
                 result = os.path.join(tmp, "result.json")
-                subprocess.run([sys.executable, os.path.abspath(__file__), "--device", args.device, "--steps",
-                                str(args.steps), "--child", name, workload, model_dir, result]
-                               + (["--no-gc"] if args.no_gc else []), check=True,
+                subprocess.run([sys.executable, os.path.abspath(__file__)] + sys.argv[1:]
+                               + ["--child", name, workload, model_dir, result], check=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                 r = json.load(open(result))
                 per_1k[name] += [1000 * s / n for s, n in r["steps"]]
@@ -198,7 +208,8 @@ def main():
                       file=sys.stderr, flush=True)
         med = {n: statistics.median(v) for n, v in per_1k.items()}
         lines.append(f"\nworkload {workload}: {B} prompts x {G} completions, <= {T} new tokens, LoRA r{LORA_R}, "
-                     f"{args.device}, gradient checkpointing {'on' if GC else 'off'}, "
+                     f"{args.device}, {DTYPE}, {'real width, ' if real_width else ''}"
+                     f"gradient checkpointing {'on' if GC else 'off'}, "
                      f"{args.reps} reps x {args.steps} steps")
         lines.append("| contender | s per 1k completion tokens (median) | reps' medians | vs TRL | vs floor "
                      "| peak memory (MiB) |")

@@ -1,0 +1,83 @@
+"""The GPU check, in one command: every preset, the mixed pool, QLoRA, full fine-tuning and a one-process
+torchrun (nccl), a few steps each in bf16 on a random model of Qwen2.5-0.5B's shape (24 layers, vocab
+151,936), then bench/speed.py --device cuda against TRL. Prints one table.
+
+    pip install -r requirements.txt -r bench/requirements.txt
+    python bench/gpu_check.py                 # about 10 minutes on one H100
+    python bench/gpu_check.py --no-speed      # the runs only
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import tiny  # noqa: E402
+
+STEPS = ["--max-steps", "3", "--prompts-per-step", "4", "--num-generations", "8", "--max-new-tokens", "128",
+         "--eval-every", "3", "--eval-prompts", "16", "--save-every", "0", "--dtype", "auto"]
+
+
+def digits(completion, answer, **kw):  # a random model rarely answers right: a dense reward keeps groups informative
+    return sum(c.isdigit() for c in completion[:64]) / 64
+
+
+def runs(tmp):
+    data = [{"prompt": f"What is {i} + {2 * i}?", "answer": str(3 * i)} for i in range(16)]
+    with open(os.path.join(tmp, "data.jsonl"), "w") as f:
+        f.writelines(json.dumps(d) + "\n" for d in data)
+    with open(os.path.join(tmp, "pool.jsonl"), "w") as f:
+        f.writelines(json.dumps({"prompt": d["prompt"], "completion": c, "reward": r}) + "\n" for d in data
+                     for c, r in ((f"\\boxed{{{d['answer']}}}", 1.0), ("\\boxed{0}", 0.0)))
+    mixed = ["--dataset", f"{tmp}/data.jsonl", "--teacher-pool", f"{tmp}/pool.jsonl", "--teacher-per-group", "2",
+             "--split-grads"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
+    yield "grpo", [], []
+    yield "drgrpo", [], []
+    yield "dapo", [], []
+    yield "drgrpo_soft", [], []
+    yield "drgrpo mixed pool --split-grads", mixed, []
+    yield "grpo --load-in-4bit (QLoRA)", ["--load-in-4bit"], []
+    yield "grpo full fine-tuning, --num-iterations 2", ["--lora-r", "0", "--num-iterations", "2",
+                                                        "--gradient-checkpointing"], []
+    yield "dapo torchrun 1 process (nccl)", [], torchrun
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--no-speed", action="store_true")
+    args = p.parse_args()
+    tmp = tempfile.mkdtemp()
+    model = tiny.make_tiny(os.path.join(tmp, "model"), layers=24, **tiny.QWEN25_05B)
+    rows = []
+    for name, extra, launcher in runs(tmp):
+        algo = name.split()[0]
+        out = os.path.join(tmp, name.replace(" ", "_").replace("/", "_"))
+        cmd = (launcher or [sys.executable]) + [os.path.join(ROOT, "grpo.py"), "--algo", algo, "--model", model,
+                                                "--output-dir", out, "--reward-fn", f"{__file__}:digits",
+                                                "--rewards", "correct"] + STEPS + extra
+        t0 = time.time()
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        wall = time.time() - t0
+        if p.returncode:
+            rows.append(f"| {name} | FAILED: {(p.stderr.strip().splitlines() or ['?'])[-1][:120]} | | | | |")
+            continue
+        m = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+        last = m[-1]
+        rows.append(f"| {name} | ok | {wall:.0f} | {sum(r['time/generate'] for r in m) / len(m):.2f} | "
+                    f"{sum(r['time/train'] for r in m) / len(m):.2f} | {last.get('grad/norm', 0):.3g} |")
+        print(rows[-1], flush=True)
+    print("\n| run | result | wall s (3 steps, load included) | generate s/step | train s/step | last grad norm |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    print("\n".join(rows))
+    if not args.no_speed:
+        subprocess.run([sys.executable, os.path.join(ROOT, "bench", "speed.py"), "--device", "cuda", "--reps", "2",
+                        "--steps", "3"], check=False)
+
+
+if __name__ == "__main__":
+    main()
