@@ -40,12 +40,14 @@ import contextlib
 import copy
 import dataclasses
 import importlib.util
+import itertools
 import json
 import math
 import os
 import random
 import shutil
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -307,16 +309,19 @@ def arithmetic_task(n: int, seed: int) -> list[dict]:
 def read_jsonl(path: str, fields: tuple[str, ...]) -> list[tuple[int, dict]]:
     """(line number, record) for each non-empty line; a clear error names the file and line."""
     if not os.path.isfile(path):
-        fail(f"{path}: no such file")
+        fail(f"{path}: " + ("is a directory" if os.path.isdir(path) else "no such file"))
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f, 1):
             try:
-                rec = json.loads(line)
+                line = raw.decode("utf-8")
+                rec = json.loads(line) if line.strip() else None
+            except UnicodeDecodeError:
+                fail(f"{path}:{i}: not UTF-8 text")
             except json.JSONDecodeError as e:
                 fail(f"{path}:{i}: not valid JSON ({e.msg})")
+            if rec is None:
+                continue
             if not isinstance(rec, dict) or any(k not in rec for k in fields):
                 fail(f"{path}:{i}: each line needs the fields {', '.join(fields)}")
             rows.append((i, rec))
@@ -325,14 +330,20 @@ def read_jsonl(path: str, fields: tuple[str, ...]) -> list[tuple[int, dict]]:
     return rows
 
 
-def load_examples(path: str) -> list[dict]:
-    """A local JSONL in GSM8K's format (question, answer ending '#### N') or prompt/answer."""
-    with open(path, encoding="utf-8") as f:
-        first = next((line for line in f if line.strip()), "{}")
-    gsm8k = '"question"' in first
-    rows = read_jsonl(path, ("question", "answer") if gsm8k else ("prompt", "answer"))
-    return [{"prompt": r["question" if gsm8k else "prompt"], "answer": R.reference_answer(str(r["answer"]))}
-            for _, r in rows]
+def load_examples(path: str, graded: bool) -> list[dict]:
+    """A local JSONL in GSM8K's format (question, answer ending '#### N') or prompt/answer. graded: a
+    built-in correctness reward will read the answers, so each must hold one."""
+    fields = ("question", "answer") if "question" in read_jsonl(path, ())[0][1] else ("prompt", "answer")
+    out = []
+    for i, r in read_jsonl(path, fields):
+        if not isinstance(r[fields[0]], str) or not r[fields[0]].strip():
+            fail(f"{path}:{i}: {fields[0]} must be a non-empty string")
+        answer = "" if r["answer"] is None else str(r["answer"])
+        if graded and (not answer.strip() or fields[0] == "question" and "####" not in answer):
+            fail(f"{path}:{i}: answer {r['answer']!r} holds no reference" + (" (GSM8K's ends in '#### N')"
+                                                                             if fields[0] == "question" else ""))
+        out.append({"prompt": r[fields[0]], "answer": R.reference_answer(answer)})
+    return out
 
 
 def load_data(a: Args) -> tuple[list[dict], list[dict]]:
@@ -348,8 +359,9 @@ def load_data(a: Args) -> tuple[list[dict], list[dict]]:
         split = {s: [{"prompt": r["question"], "answer": R.reference_answer(r["answer"])} for r in ds[s]]
                  for s in ("train", "test")}
         return split["train"], split["test"][: a.eval_prompts]
-    train = load_examples(a.dataset)
-    return train, load_examples(a.eval_dataset)[: a.eval_prompts] if a.eval_dataset else []
+    graded = any(name.partition(":")[0] in ("correct", "correct_pm1") for name in a.rewards.split(","))
+    train = load_examples(a.dataset, graded)
+    return train, load_examples(a.eval_dataset, graded)[: a.eval_prompts] if a.eval_dataset else []
 
 
 def load_teacher_pool(a: Args, train: list[dict]) -> dict[str, list[tuple[str, float]]]:
@@ -374,24 +386,31 @@ def load_teacher_pool(a: Args, train: list[dict]) -> dict[str, list[tuple[str, f
     return pool
 
 
-def prompt_stream(data: list[dict], seed: int):
-    """Endless, seeded: every rank draws the same order and takes its own slice of each batch."""
-    rng = random.Random(seed)
-    while True:
-        order = list(range(len(data)))
-        rng.shuffle(order)
-        yield from (data[i] for i in order)
+def prompt_stream(data: list[dict], seed: int, start: int = 0):
+    """Endless, seeded: every rank draws the same order and takes its own slice of each batch. start:
+    prompts already drawn (--resume)."""
+    def endless():
+        rng = random.Random(seed)
+        while True:
+            order = list(range(len(data)))
+            rng.shuffle(order)
+            yield from (data[i] for i in order)
+    return itertools.islice(endless(), start, None)
 
 
 # ----------------------------------------------------------------------------- model
-def load_model(a: Args, device: torch.device):
-    """Policy (LoRA, QLoRA or full), tokenizer, and a frozen reference only for full fine-tuning with KL."""
+def load_model(a: Args, device: torch.device, resume: str | None = None):
+    """Policy (LoRA, QLoRA or full), tokenizer, and a frozen reference only for full fine-tuning with KL.
+    resume: a checkpoint directory whose adapter (or whole model) replaces the fresh one."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, GenerationConfig
     # bf16 full fine-tuning keeps fp32 weights, since its AdamW updates (~lr = 2e-5 of a weight) are below
     # bf16's 8-bit mantissa and would round to nothing, and runs each forward in bf16 autocast (mixed
     # precision, as HF Trainer's bf16=True). LoRA keeps bf16 base weights; peft keeps adapters in fp32.
     dtype = torch.bfloat16 if use_bf16(a, device) and a.lora_r > 0 else torch.float32
-    tok = AutoTokenizer.from_pretrained(a.model)
+    try:
+        tok = AutoTokenizer.from_pretrained(a.model)
+    except OSError as e:  # not a local directory, and not on the hub (or no network)
+        fail(f"--model {a.model!r}: {str(e).splitlines()[0]}")
     tok.padding_side = "left"  # batched generation appends to the right end of every row
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token  # safe: completions are masked by position, not by token id
@@ -399,7 +418,7 @@ def load_model(a: Args, device: torch.device):
     if a.load_in_4bit:
         kw.update(device_map={"": device}, quantization_config=BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True))
-    model = AutoModelForCausalLM.from_pretrained(a.model, **kw)
+    model = AutoModelForCausalLM.from_pretrained(resume if resume and a.lora_r == 0 else a.model, **kw)
     if not a.load_in_4bit:
         model.to(device)
     for m in model.modules():  # bitsandbytes on CPU repacks 4-bit weights in eval mode; training then fails
@@ -418,11 +437,14 @@ def load_model(a: Args, device: torch.device):
         import peft
         if a.load_in_4bit:
             model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=a.gradient_checkpointing)
+        if resume:
+            return peft.PeftModel.from_pretrained(model, resume, is_trainable=True), tok, None
         model = peft.get_peft_model(model, peft.LoraConfig(
             r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=a.lora_dropout, target_modules="all-linear",
             task_type="CAUSAL_LM"))
-    elif a.beta > 0:  # full fine-tuning with KL: a frozen copy is the reference
-        ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    elif a.beta > 0:  # full fine-tuning with KL: a frozen copy of the starting model is the reference
+        ref = AutoModelForCausalLM.from_pretrained(a.model, **kw).to(device) if resume else copy.deepcopy(model)
+        ref_model = ref.eval().requires_grad_(False)
     return model, tok, ref_model
 
 
@@ -528,7 +550,10 @@ def build_rewards(a: Args) -> list[tuple[str, object, float]]:
             fail(f"--reward-fn {a.reward_fn!r}: expected an existing PATH.py:FUNCTION")
         spec = importlib.util.spec_from_file_location("user_reward", path)
         module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        try:
+            spec.loader.exec_module(module)
+        except (Exception, SystemExit) as e:
+            fail(f"--reward-fn: importing {path} raised {type(e).__name__}: {e}")
         if not callable(getattr(module, fn_name, None)):
             fail(f"--reward-fn: {path} has no function {fn_name!r}")
         fns.append((fn_name, getattr(module, fn_name), 1.0))
@@ -543,7 +568,7 @@ def score(texts: list[str], answers: list[str], lengths: list[int], reward_fns, 
         for text, ans in zip(texts, answers):
             try:
                 v = float(fn(text, ans))
-            except Exception as e:  # a user's reward: report which one and why, then stop
+            except (Exception, SystemExit) as e:  # a user's reward: report which one and why, then stop
                 fail(f"reward {name!r} raised {type(e).__name__}: {e}")
             if not math.isfinite(v):
                 fail(f"reward {name!r} returned {v} for a completion; rewards must be finite")
@@ -690,7 +715,7 @@ class FrozenHeadLogp(torch.autograd.Function):
         z = (h @ weight.T).float() / temperature  # (C, V)
         lse = z.logsumexp(-1)
         p = (z - lse[:, None]).exp_()
-        ctx.temperature = temperature
+        ctx.temperature, ctx.h_dtype = temperature, h.dtype
         ctx.save_for_backward(weight[target] - p.to(weight.dtype) @ weight)  # (C, H)
         entropy = lse - (p * z).sum(-1)
         ctx.mark_non_differentiable(entropy)
@@ -699,7 +724,7 @@ class FrozenHeadLogp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, _):
         d, = ctx.saved_tensors
-        return (grad_logp[:, None] * d.float() / ctx.temperature).to(d.dtype), None, None, None
+        return (grad_logp[:, None] * d.float() / ctx.temperature).to(ctx.h_dtype), None, None, None
 
 
 def token_logps(model, input_ids, attention_mask, n_completion: int, temperature: float = 1.0):
@@ -856,9 +881,10 @@ def train_step(model, ref_model, opt, batch: dict | None, a: Args) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
     s = all_sum(sums).tolist()
-    n = max(s[5], 1)
-    return {**out, "loss": s[4] / n, "policy/entropy": s[0] / n, "loss/clipfrac_low": s[1] / n,
-            "loss/clipfrac_high": s[2] / n, "kl": s[3] / n, "train/rows": s[6]}
+    if not s[5]:  # no loss token this step (every group skipped): no policy metrics, rather than zeros
+        return {**out, "train/rows": 0.0}
+    return {**out, "loss": s[4] / s[5], "policy/entropy": s[0] / s[5], "loss/clipfrac_low": s[1] / s[5],
+            "loss/clipfrac_high": s[2] / s[5], "kl": s[3] / s[5], "train/rows": s[6]}
 
 
 # ----------------------------------------------------------------------------- loop
@@ -876,19 +902,88 @@ def evaluate(model, tok, examples: list[dict], a: Args, rank: int, world: int) -
     return {"eval/accuracy": all_sum(torch.tensor([float(hits)], device=model.device)).item() / len(examples)}
 
 
-def save(model, tok, a: Args, step: int):
-    """Atomic: write beside, then swap in. An interrupted save leaves the previous checkpoint whole."""
+def find_checkpoint(output_dir: str) -> str | None:
+    """checkpoint/, else checkpoint.old/: the previous one, whole, if a save was killed between its renames."""
+    for name in ("checkpoint", "checkpoint.old"):
+        if os.path.isfile(os.path.join(output_dir, name, "trainer_state.pt")):
+            return os.path.join(output_dir, name)
+    return None
+
+
+def saved_args(output_dir: str) -> dict:
+    ckpt = find_checkpoint(output_dir)
+    if ckpt is None:
+        fail(f"--resume: {output_dir!r} holds no checkpoint to continue")
+    with open(os.path.join(ckpt, "grpo_args.json")) as f:
+        return {k: v for k, v in json.load(f).items() if k in Args.__dataclass_fields__}
+
+
+def save(model, tok, a: Args, state: dict):
+    """checkpoint/: weights (adapter or model), tokenizer, grpo_args.json, trainer_state.pt (step, prompts
+    drawn, optimizer, every rank's RNG). Written to checkpoint.tmp/ and swapped in by two renames, so at
+    every instant one whole checkpoint exists: checkpoint/, or checkpoint.old/ between the renames (where
+    --resume looks next). The leftovers of a killed save are cleared by the next one."""
     final = os.path.join(a.output_dir, "checkpoint")
     tmp, old = final + ".tmp", final + ".old"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    torch.save(state, os.path.join(tmp, "trainer_state.pt"))
     with open(os.path.join(tmp, "grpo_args.json"), "w") as f:
-        json.dump({**dataclasses.asdict(a), "step": step}, f, indent=1)
-    if os.path.exists(final):
+        json.dump({**dataclasses.asdict(a), "step": state["step"]}, f, indent=1)
+    if os.path.isdir(final):
+        shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
     os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def rng_state(teacher_rng: random.Random) -> dict:
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    return dict(torch=torch.get_rng_state(), cuda=cuda, python=random.getstate(), teacher=teacher_rng.getstate())
+
+
+def set_rng_state(s: dict, teacher_rng: random.Random):
+    torch.set_rng_state(s["torch"])
+    if s["cuda"] is not None:
+        torch.cuda.set_rng_state(s["cuda"])
+    random.setstate(s["python"])
+    teacher_rng.setstate(s["teacher"])
+
+
+def check_paths(a: Args):
+    """Before anything is loaded or written: the output dir, and a local model directory."""
+    d = a.output_dir
+    if os.path.exists(d) and not os.path.isdir(d):
+        fail(f"--output-dir {d!r} is a file: pick a directory")
+    parent = os.path.abspath(d)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.access(parent, os.W_OK):
+        fail(f"--output-dir {d!r}: {parent} is not writable")
+    previous = [n for n in ("checkpoint", "checkpoint.old", "metrics.jsonl") if os.path.exists(os.path.join(d, n))
+                and (n != "metrics.jsonl" or os.path.getsize(os.path.join(d, n)))]
+    if previous and not (a.resume or a.overwrite):
+        fail(f"--output-dir {d!r} holds a previous run ({', '.join(previous)}): add --resume to continue it, "
+             f"--overwrite to start over, or pick another --output-dir")
+    if os.path.isdir(a.model):
+        if not any(os.path.isfile(os.path.join(a.model, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+            fail(f"--model {a.model!r} has no tokenizer (tokenizer.json): save it beside the weights")
+    elif a.model.startswith((".", "/", "~")) or a.model.count("/") > 1:  # a hub id is NAME or ORG/NAME
+        fail(f"--model {a.model!r}: no such directory")
+
+
+def open_metrics(a: Args, step: int):
+    """metrics.jsonl; on --resume it keeps the saved run's rows up to its checkpoint's step and goes on."""
+    path = os.path.join(a.output_dir, "metrics.jsonl")
+    rows = []
+    if a.resume and os.path.exists(path):
+        with open(path) as f:
+            rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(rows)
+    os.replace(path + ".tmp", path)
+    return open(path, "a")
 
 
 def main(argv=None):
@@ -897,6 +992,7 @@ def main(argv=None):
         print(json.dumps(dataclasses.asdict(a), indent=1))
         print(describe_objective(a))
         return
+    check_paths(a)
     rank, world, device = setup_distributed()
     if a.prompts_per_step % world:
         fail(f"--prompts-per-step {a.prompts_per_step} must divide over {world} ranks (whole groups per rank)")
@@ -904,51 +1000,86 @@ def main(argv=None):
     pool = load_teacher_pool(a, train) if a.teacher_pool else None
     reward_fns = build_rewards(a)
     score([train[0]["answer"], ""], [train[0]["answer"]] * 2, [1, 1], reward_fns, a)  # fail early, not at step 1
-    random.seed(a.seed)
-    torch.manual_seed(a.seed)  # same LoRA init on every rank
-    model, tok, ref_model = load_model(a, device)
-    opt = make_optimizer(a, model)
-    torch.manual_seed(a.seed + 1000 * rank)  # sampling differs per rank, repeats per run
-    stream, teacher_rng = prompt_stream(train, a.seed), random.Random(a.seed + 1000 * rank)
-    os.makedirs(a.output_dir, exist_ok=True)
-    log = open(os.path.join(a.output_dir, "metrics.jsonl"), "w") if rank == 0 else None  # this run's steps
     wandb = None
     if a.wandb_project and rank == 0:
         try:
             import wandb
         except ImportError:
             fail("--wandb-project needs `pip install wandb`")
+    random.seed(a.seed)
+    torch.manual_seed(a.seed)  # same LoRA init on every rank
+    ckpt = find_checkpoint(a.output_dir) if a.resume else None
+    model, tok, ref_model = load_model(a, device, ckpt)
+    opt = make_optimizer(a, model)
+    torch.manual_seed(a.seed + 1000 * rank)  # sampling differs per rank, repeats per run
+    teacher_rng = random.Random(a.seed + 1000 * rank)
+    done = {"step": 0, "prompts_drawn": 0}  # the last completed step
+    if ckpt:
+        state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
+        if len(state["rng"]) != world:
+            fail(f"--resume: the saved run ran on {len(state['rng'])} processes, this one on {world}: use as many")
+        opt.load_state_dict(state["optimizer"])
+        set_rng_state(state["rng"][rank], teacher_rng)
+        done = {k: state[k] for k in done}
+    stream = prompt_stream(train, a.seed, done["prompts_drawn"])
+    done["rng"] = all_gather(rng_state(teacher_rng))
+    # every check has passed: only now is the output dir written
+    os.makedirs(a.output_dir, exist_ok=True)
+    if a.overwrite and rank == 0:
+        for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old"):
+            shutil.rmtree(os.path.join(a.output_dir, name), ignore_errors=True)
+    log = open_metrics(a, done["step"]) if rank == 0 else None
+    if wandb:
         wandb.init(project=a.wandb_project, config=dataclasses.asdict(a))
-    stop = []  # Ctrl-C: finish this step, save, exit; a second Ctrl-C stops at once
-    signal.signal(signal.SIGINT, lambda *_: stop.append(1) if not stop else signal.default_int_handler(*_))
+    stop = []  # Ctrl-C or SIGTERM: finish this step, save, exit; a second one stops at once
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.append(1) if not stop else signal.default_int_handler(*_))
     from tqdm import tqdm
-    bar = tqdm(range(1, a.max_steps + 1), disable=rank != 0, desc=f"{a.algo}", dynamic_ncols=True)
-    for step in bar:
-        t0 = time.time()
-        groups, m = rollout(model, tok, stream, reward_fns, pool, a, rank, world, teacher_rng)
-        t1 = time.time()
-        if m["groups/kept"]:  # the same on every rank; 0 when dynamic sampling kept nothing by its cap
-            batch = collate(groups, tok.pad_token_id, device) if groups else None
-            m.update(train_step(model, ref_model, opt, batch, a))
-        m["time/train"] = time.time() - t1
-        m["completion/tokens"] = all_sum(torch.tensor([float(m["completion/tokens"])], device=device)).item()
-        m["tokens_per_second"] = m["completion/tokens"] / (time.time() - t0)
-        if a.eval_every and evals and step % a.eval_every == 0:
-            m.update(evaluate(model, tok, evals, a, rank, world))
-        stopping = bool(all_sum(torch.tensor([float(len(stop))], device=device)).item())
-        if rank == 0:
-            m = {"step": step, **m}
-            log.write(json.dumps(m) + "\n")
-            log.flush()
-            if wandb:
-                wandb.log(m, step=step)
-            bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{m.get('accuracy', 0):.2f}")
-            if (a.save_every and step % a.save_every == 0) or step == a.max_steps or stopping:
-                save(model, tok, a, step)
-        if stopping:
-            break
-    if log:
-        log.close()
+    bar = tqdm(range(done["step"] + 1, a.max_steps + 1), disable=rank != 0, desc=f"{a.algo}", dynamic_ncols=True)
+    where = f"{os.path.join(a.output_dir, 'checkpoint')}; metrics in {os.path.join(a.output_dir, 'metrics.jsonl')}"
+    start, training = done["step"], False
+    try:
+        for step in bar:
+            t0 = time.time()
+            groups, m = rollout(model, tok, stream, reward_fns, pool, a, rank, world, teacher_rng)
+            t1 = time.time()
+            training = True
+            if m["groups/kept"]:  # the same on every rank; 0 when dynamic sampling kept nothing by its cap
+                batch = collate(groups, tok.pad_token_id, device) if groups else None
+                m.update(train_step(model, ref_model, opt, batch, a))
+            training = False
+            done = {"step": step, "prompts_drawn": done["prompts_drawn"] + m["groups/gen_rounds"] * a.prompts_per_step,
+                    "rng": all_gather(rng_state(teacher_rng))}
+            m["time/train"] = time.time() - t1
+            m["completion/tokens"] = all_sum(torch.tensor([float(m["completion/tokens"])], device=device)).item()
+            m["tokens_per_second"] = m["completion/tokens"] / (time.time() - t0)
+            if a.eval_every and evals and step % a.eval_every == 0:
+                m.update(evaluate(model, tok, evals, a, rank, world))
+            stopping = bool(all_sum(torch.tensor([float(len(stop))], device=device)).item())
+            if rank == 0:
+                m = {"step": step, **m}
+                log.write(json.dumps(m) + "\n")
+                log.flush()
+                if wandb:
+                    wandb.log(m, step=step)
+                bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{m.get('accuracy', 0):.2f}")
+                if (a.save_every and step % a.save_every == 0) or step == a.max_steps or stopping:
+                    save(model, tok, a, {**done, "optimizer": opt.state_dict()})
+            if stopping:
+                break
+    except (Exception, SystemExit) as e:  # a reward that raises or is not finite, an error in the step: keep
+        if rank != 0 or done["step"] == start or (training and a.num_iterations > 1):  # the last completed
+            raise  # step, if there is a new one and the weights are not half-updated
+        save(model, tok, a, {**done, "optimizer": opt.state_dict()})
+        if isinstance(e, SystemExit):
+            raise SystemExit(f"{e} (step {done['step']} saved in {where})") from None
+        print(f"grpo: step {done['step']} saved in {where}", file=sys.stderr)
+        raise
+    finally:
+        if log:
+            log.close()
+    if rank == 0:
+        print(f"grpo: step {done['step']} saved in {where}")
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -607,7 +607,8 @@ def test_same_seed_same_metrics(tiny_dir, tmp_path):
     assert go("a") == go("b")
 
 
-def test_ctrl_c_leaves_a_loadable_checkpoint(tiny_dir, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])  # Ctrl-C, and what a scheduler or `kill` sends
+def test_a_stop_signal_leaves_a_loadable_checkpoint(tiny_dir, tmp_path, sig):
     out = str(tmp_path / "out")
     p = subprocess.Popen([sys.executable, os.path.join(HERE, "grpo.py"), "--model", tiny_dir, "--max-steps", "10000",
                           "--output-dir", out, "--save-every", "0"] + TINY, cwd=HERE,
@@ -616,7 +617,7 @@ def test_ctrl_c_leaves_a_loadable_checkpoint(tiny_dir, tmp_path):
     while not (os.path.exists(out + "/metrics.jsonl") and os.path.getsize(out + "/metrics.jsonl")):
         assert time.time() < deadline and p.poll() is None, p.stderr.read() if p.poll() is not None else "timeout"
         time.sleep(0.2)
-    p.send_signal(signal.SIGINT)
+    p.send_signal(sig)
     assert p.wait(timeout=120) == 0
     step = json.load(open(out + "/checkpoint/grpo_args.json"))["step"]
     assert step == metrics(out)[-1]["step"] < 10000
@@ -763,3 +764,205 @@ def test_two_process_run_mixed_pool_dynamic_sampling(tiny_dir, tmp_path):
     assert [r["step"] for r in rows] == [1, 2]  # one file, written by rank 0 alone
     assert all(r["groups/kept"] <= 2 and "grad/cos_student_teacher" in r for r in rows if r["groups/kept"])
     assert os.path.isdir(out + "/checkpoint")
+
+
+# ----------------------------------------------------------------------------- never lose a run
+TIMING = ("time/", "tokens_per_second")
+
+
+def steady(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+
+def trained(out):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(out, "checkpoint", "adapter_model.safetensors"))
+
+
+def test_resume_continues_the_run_bit_for_bit(tiny_dir, tmp_path):
+    """4 steps in one run == 2 steps, stop, --resume to 4: the same metrics and the same adapter, bit for
+    bit (optimizer, prompt stream with dynamic sampling's refills, torch/python/teacher RNG restored)."""
+    common = ["--algo", "dapo", "--model", tiny_dir, "--teacher-per-group", "1", "--max-gen-rounds", "2"] + TINY \
+        + mixed_files(tmp_path) + answer_reward(tmp_path)
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    run(common + ["--output-dir", straight, "--max-steps", "4"])
+    run(common + ["--output-dir", split, "--max-steps", "2"])
+    p = run(["--output-dir", split, "--resume", "--max-steps", "4"])  # the saved run's flags
+    assert p.stdout.strip().splitlines()[-1] == f"grpo: step 4 saved in {split}/checkpoint; metrics in {split}/metrics.jsonl"
+    assert steady(metrics(split)) == steady(metrics(straight)) and len(metrics(split)) == 4
+    a, b = trained(straight), trained(split)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_with_a_contradicting_flag_names_it(tiny_dir, tmp_path):
+    out = str(tmp_path / "out")
+    run(["--model", tiny_dir, "--max-steps", "1", "--output-dir", out] + TINY)
+    for flag, value in (("--num-generations", "8"), ("--algo", "dapo"), ("--model", "Qwen/Qwen2.5-0.5B-Instruct")):
+        with pytest.raises(SystemExit, match=f"--resume: {flag} is .* in the saved run"):
+            grpo.parse_args(["--output-dir", out, "--resume", flag, value])
+    assert grpo.parse_args(["--output-dir", out, "--resume", "--max-steps", "9"]).num_generations == 4
+    with pytest.raises(SystemExit, match="holds no checkpoint"):
+        grpo.parse_args(["--output-dir", str(tmp_path / "empty"), "--resume"])
+
+
+def test_no_silent_overwrite(tiny_dir, tmp_path):
+    out = tmp_path / "out"
+    run(["--model", tiny_dir, "--max-steps", "1", "--output-dir", str(out)] + TINY)
+    before = (out / "metrics.jsonl").read_text()
+    p = run(["--model", tiny_dir, "--max-steps", "1", "--output-dir", str(out)] + TINY, check=False)
+    assert p.returncode != 0 and "--resume" in p.stderr and "--overwrite" in p.stderr
+    assert (out / "metrics.jsonl").read_text() == before
+    p = run(["--model", tiny_dir, "--max-steps", "1", "--output-dir", str(out), "--overwrite", "--seed", "5"] + TINY)
+    assert (out / "metrics.jsonl").read_text() != before and len(metrics(str(out))) == 1
+    with pytest.raises(SystemExit, match="--wandb-project needs"):  # a start-up failure touches nothing
+        grpo.main(["--model", tiny_dir, "--output-dir", str(tmp_path / "new"), "--wandb-project", "x"] + TINY)
+    assert not (tmp_path / "new").exists()
+
+
+def test_an_error_mid_run_saves_the_last_completed_step(tiny_dir, tmp_path):
+    (tmp_path / "rw.py").write_text("n = 0\ndef r(c, a):\n    global n\n    n += 1\n"
+                                    "    if n > 2 + 2 * 8:\n        raise ValueError('bad judge')\n    return n % 3\n")
+    out = str(tmp_path / "out")
+    p = run(["--model", tiny_dir, "--max-steps", "10", "--save-every", "0", "--output-dir", out,
+             "--reward-fn", f"{tmp_path}/rw.py:r"] + TINY, check=False)  # 2 probe calls, then 8 a step
+    assert p.returncode != 0
+    assert p.stderr.strip().splitlines()[-1] == ("grpo: error: reward 'r' raised ValueError: bad judge "
+                                                 f"(step 2 saved in {out}/checkpoint; metrics in {out}/metrics.jsonl)")
+    assert json.load(open(out + "/checkpoint/grpo_args.json"))["step"] == 2 == metrics(out)[-1]["step"]
+
+
+SAVE_STEPS = ("rmtree", "save_pretrained", "torch.save", "replace")
+
+
+def test_a_save_killed_at_any_point_leaves_a_whole_checkpoint(loaded, tmp_path, monkeypatch):
+    """Fail the save at each of its file operations in turn: a whole checkpoint (the old or the new one) is
+    always found where --resume looks, and the next save then succeeds over the leftovers."""
+    a, model, tok = loaded
+    a = replace(a, output_dir=str(tmp_path))
+    state = lambda step: {"step": step, "prompts_drawn": 0, "rng": [], "optimizer": {}}  # noqa: E731
+    grpo.save(model, tok, a, state(1))
+    real = {"rmtree": grpo.shutil.rmtree, "replace": grpo.os.replace, "torch.save": grpo.torch.save}
+    n_ops = 0
+
+    def count(name, fn):
+        def wrapped(*args, **kw):
+            nonlocal n_ops
+            n_ops += 1
+            if n_ops == fail_at:
+                raise KeyboardInterrupt(f"killed at {name}")
+            return fn(*args, **kw)
+        return wrapped
+    fail_at = 0
+    for fail_at in range(1, 30):
+        n_ops = 0
+        with monkeypatch.context() as m:
+            m.setattr(grpo.shutil, "rmtree", count("rmtree", real["rmtree"]))
+            m.setattr(grpo.os, "replace", count("replace", real["replace"]))
+            m.setattr(grpo.torch, "save", count("torch.save", real["torch.save"]))
+            try:
+                grpo.save(model, tok, a, state(fail_at + 1))
+            except KeyboardInterrupt:
+                pass
+            else:
+                break
+        ckpt = grpo.find_checkpoint(str(tmp_path))
+        step = json.load(open(os.path.join(ckpt, "grpo_args.json")))["step"]
+        assert step in (fail_at, fail_at + 1) and torch.load(os.path.join(ckpt, "trainer_state.pt"))["step"] == step
+        import peft
+        peft.PeftModel.from_pretrained(copy.deepcopy(model.get_base_model()), ckpt)  # loads
+        grpo.save(model, tok, a, state(fail_at + 1))  # the next save works over whatever was left
+        assert grpo.find_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint")
+    assert fail_at > 5  # every operation of the save was failed once
+
+
+def write_data(tmp_path, lines, name="d.jsonl", raw=None):
+    path = tmp_path / name
+    path.write_bytes(raw) if raw is not None else path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return str(path)
+
+
+@pytest.mark.parametrize("case, says", [
+    ("missing", "nope.jsonl: no such file"),
+    ("directory", "is a directory"),
+    ("latin1", "d.jsonl:2: not UTF-8 text"),
+    ("null answer", "d.jsonl:2: answer None holds no reference"),
+    ("empty answer", "d.jsonl:1: answer ' ' holds no reference"),
+    ("gsm8k no hashes", "d.jsonl:1: answer '4' holds no reference .GSM8K's ends in '#### N'"),
+    ("prompt not text", "d.jsonl:1: prompt must be a non-empty string"),
+    ("model without tokenizer", "has no tokenizer"),
+    ("missing model dir", "--model './no/such/dir': no such directory"),
+    ("output dir is a file", "--output-dir .* is a file"),
+    ("reward import fails", "--reward-fn: importing .*rw.py raised ZeroDivisionError"),
+    ("reward calls sys.exit", "reward 'r' raised SystemExit"),
+])
+def test_every_input_is_checked_before_anything_is_touched(tiny_dir, tmp_path, case, says):
+    out = tmp_path / "out"
+    argv = ["--model", tiny_dir, "--output-dir", str(out)]
+    ok = [{"prompt": "2+2?", "answer": "4"}]
+    if case in ("missing", "directory"):
+        argv += ["--dataset", str(tmp_path / "nope.jsonl") if case == "missing" else str(tmp_path)]
+    elif case == "latin1":
+        argv += ["--dataset", write_data(tmp_path, [], raw='{"prompt": "a", "answer": "1"}\n{"prompt": "caf\xe9", '
+                                                          '"answer": "1"}\n'.encode("latin-1"))]
+    elif case in ("null answer", "empty answer", "gsm8k no hashes", "prompt not text"):
+        lines = {"null answer": ok + [{"prompt": "x", "answer": None}], "empty answer": [{"prompt": "x", "answer": " "}],
+                 "gsm8k no hashes": [{"question": "2+2?", "answer": "4"}], "prompt not text": [{"prompt": 3, "answer": "3"}]}
+        argv += ["--dataset", write_data(tmp_path, lines[case])]
+    elif case == "model without tokenizer":
+        os.makedirs(tmp_path / "m")
+        for f in os.listdir(tiny_dir):
+            if not f.startswith("tokenizer"):
+                os.symlink(os.path.join(tiny_dir, f), tmp_path / "m" / f)
+        argv[1] = str(tmp_path / "m")
+    elif case == "missing model dir":
+        argv[1] = "./no/such/dir"
+    elif case == "output dir is a file":
+        out.write_text("x")
+    else:
+        body = "1 / 0\n" if case == "reward import fails" else "import sys\ndef r(c, a):\n    sys.exit(3)\n"
+        (tmp_path / "rw.py").write_text(body)
+        argv += ["--reward-fn", f"{tmp_path}/rw.py:r"]
+    with pytest.raises(SystemExit, match=says):
+        grpo.main(argv + TINY)
+    assert not out.is_dir()
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--num-generations", "0", "--num-generations must be at least 1"), ("--max-grad-norm", "-1", ">= 0"),
+    ("--temperature", "0", "--temperature must be > 0"), ("--top-k", "-1", "--top-k must be >= 0"),
+    ("--top-p", "1.5", r"--top-p must be in \(0, 1\]"), ("--top-p", "0", "--top-p"),
+    ("--lora-dropout", "1", r"--lora-dropout must be in \[0, 1\)"), ("--learning-rate", "0", "--learning-rate"),
+    ("--lora-r", "-1", "--lora-r must be >= 0"), ("--max-steps", "0", "--max-steps must be at least 1"),
+    ("--save-every", "-1", "--save-every"), ("--eval-every", "-1", "--eval-every"),
+])
+def test_out_of_range_flags_fail_with_their_name(flag, value, says):
+    extra = ["--teacher-pool", "p.jsonl", "--teacher-per-group", "2"] if flag == "--num-generations" else []
+    with pytest.raises(SystemExit, match=says):
+        grpo.parse_args([flag, value] + extra)
+
+
+def test_help_shows_each_preset_s_default(capsys):
+    with pytest.raises(SystemExit):
+        grpo.parse_args(["--help"])
+    assert "[grpo 0.04, drgrpo 0.0, dapo 0.0, drgrpo_soft 0.0]" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_step_that_trains_nothing_logs_no_entropy(loaded):
+    a, model, tok = loaded
+    groups = tiny.fixed_groups(tok, [[1.0, 1.0], [0.0, 0.0]], a)  # all-equal groups: all skipped
+    m = grpo.train_step(copy.deepcopy(model), None, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0),
+                        grpo.collate(groups, tok.pad_token_id, "cpu"), a)
+    assert m["train/rows"] == 0 and "policy/entropy" not in m and "loss" not in m
+
+
+def test_frozen_head_log_probs_and_gradient_equal_autograd():
+    torch.manual_seed(0)
+    h, w = torch.randn(5, 8, dtype=torch.float64, requires_grad=True), torch.randn(30, 8, dtype=torch.float64)
+    t, g = torch.randint(0, 30, (5,)), torch.randn(5, dtype=torch.float64)
+    logp, entropy = grpo.FrozenHeadLogp.apply(h, w, t, 0.7)
+    grad, = torch.autograd.grad((logp * g).sum(), h)
+    z = (h @ w.T / 0.7).log_softmax(-1)
+    want, = torch.autograd.grad((z.gather(-1, t[:, None])[:, 0] * g).sum(), h)
+    assert torch.allclose(logp.double(), z.gather(-1, t[:, None])[:, 0], atol=1e-5)  # fp32 inside
+    assert torch.allclose(entropy.double(), -(z.exp() * z).sum(-1), atol=1e-4)
+    assert torch.allclose(grad, want, atol=1e-5)
