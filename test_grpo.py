@@ -753,17 +753,25 @@ def test_two_processes_give_the_one_process_update(tiny_dir, tmp_path):
             assert two[config]["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-6), (config, k)
 
 
-def test_two_process_run_mixed_pool_dynamic_sampling(tiny_dir, tmp_path):
-    out = str(tmp_path / "out")
-    args = ["--algo", "dapo", "--model", tiny_dir, "--max-steps", "2", "--output-dir", out, "--teacher-per-group", "2",
-            "--split-grads", "--max-gen-rounds", "2"] + TINY + mixed_files(tmp_path) + answer_reward(tmp_path)
-    p = subprocess.run(TORCHRUN + [os.path.join(HERE, "grpo.py")] + args, cwd=HERE, capture_output=True, text=True,
-                       timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    rows = metrics(out)
-    assert [r["step"] for r in rows] == [1, 2]  # one file, written by rank 0 alone
+def test_two_process_run_mixed_pool_dynamic_sampling_and_resume(tiny_dir, tmp_path):
+    """2 ranks, DAPO's refill in mixed-pool mode: one metrics file and checkpoint (rank 0); 3 steps straight
+    equal 2 steps + --resume to 3 (each rank's RNG and teacher draws restored)."""
+    def go(out, *extra):
+        args = ["--algo", "dapo", "--model", tiny_dir, "--output-dir", out, "--teacher-per-group", "2",
+                "--split-grads", "--max-gen-rounds", "2"] + TINY + mixed_files(tmp_path) + answer_reward(tmp_path)
+        p = subprocess.run(TORCHRUN + [os.path.join(HERE, "grpo.py")] + args + list(extra), cwd=HERE,
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    go(straight, "--max-steps", "3")
+    rows = metrics(straight)
+    assert [r["step"] for r in rows] == [1, 2, 3]  # one file, written by rank 0 alone
     assert all(r["groups/kept"] <= 2 and "grad/cos_student_teacher" in r for r in rows if r["groups/kept"])
-    assert os.path.isdir(out + "/checkpoint")
+    go(split, "--max-steps", "2")
+    go(split, "--max-steps", "3", "--resume")
+    assert steady(metrics(split)) == steady(rows)
+    a, b = trained(straight), trained(split)
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 # ----------------------------------------------------------------------------- never lose a run
