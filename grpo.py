@@ -171,7 +171,10 @@ def parse_args(argv=None) -> Args:
         fail(f"--algo {algo!r} is not one of {', '.join(PRESETS)}")
     defaults = PRESETS[algo]  # a preset is defaults; an explicit flag wins
     if given.get("resume"):  # the saved run's flags are the defaults; only run-length flags may differ
-        defaults = saved_args(given.get("output_dir", Args.output_dir))
+        ckpt = find_checkpoint(given.get("output_dir", Args.output_dir)) or fail("--resume: no checkpoint to continue "
+                                                                                 "in --output-dir")
+        with open(os.path.join(ckpt, "grpo_args.json")) as f:
+            defaults = {k: v for k, v in json.load(f).items() if k in Args.__dataclass_fields__}
         for k, v in given.items():
             if k not in RUN_LENGTH and defaults[k] != v:
                 fail(f"--resume: --{k.replace('_', '-')} is {v!r} here but {defaults[k]!r} in the saved run: drop "
@@ -187,45 +190,34 @@ def parse_args(argv=None) -> Args:
 
 
 def check_args(a: Args):
-    """Impossible combinations fail here, each with what to change."""
-    if a.scale not in ("std", "none"):
-        fail(f"--scale {a.scale!r}: use std or none")
-    if a.loss_agg not in LOSS_AGGS:
-        fail(f"--loss-agg {a.loss_agg!r}: use one of {', '.join(LOSS_AGGS)}")
-    if a.optim not in OPTIMS:
-        fail(f"--optim {a.optim!r}: use one of {', '.join(OPTIMS)}")
-    if a.dtype not in ("auto", "bf16", "fp32"):
-        fail(f"--dtype {a.dtype!r}: use auto, bf16 or fp32")
-    for name in ("prompts_per_step", "num_generations", "max_new_tokens", "micro_batch_size", "num_iterations",
-                 "max_gen_rounds", "max_steps"):
-        if getattr(a, name) < 1:
-            fail(f"--{name.replace('_', '-')} must be at least 1")
-    for name in ("save_every", "eval_every", "top_k", "lora_r", "max_grad_norm", "weight_decay", "teacher_per_group"):
-        if getattr(a, name) < 0:
-            fail(f"--{name.replace('_', '-')} must be >= 0")
-    for name, ok, want in (("temperature", a.temperature > 0, "> 0"), ("top_p", 0 < a.top_p <= 1, "in (0, 1]"),
-                           ("lora_dropout", 0 <= a.lora_dropout < 1, "in [0, 1)"),
-                           ("learning_rate", a.learning_rate > 0, "> 0")):
-        if not ok:
-            fail(f"--{name.replace('_', '-')} must be {want}")
-    if a.num_generations + a.teacher_per_group < 2:
-        fail("a group needs at least 2 completions for a group-relative advantage: raise --num-generations")
-    if a.resume and a.overwrite:
-        fail("--resume continues the run in --output-dir and --overwrite deletes it: give one of them")
-    if not 0 <= a.eps_low < 1 or a.eps_high < 0:
-        fail("--eps-low must be in [0, 1) and --eps-high >= 0")
-    if a.load_in_4bit and a.lora_r == 0:
-        fail("--load-in-4bit trains LoRA adapters on frozen 4-bit weights: set --lora-r > 0")
-    if a.overlong_penalty and not 0 < a.overlong_buffer <= a.max_new_tokens:
-        fail("--overlong-buffer must be in (0, --max-new-tokens]")
-    if a.top_k_groups < 0 or a.top_k_groups > a.prompts_per_step:
-        fail("--top-k-groups must be between 0 and --prompts-per-step")
-    if bool(a.teacher_pool) != (a.teacher_per_group > 0):
-        fail("the mixed pool needs both --teacher-pool PATH and --teacher-per-group G_T > 0")
-    if a.split_grads and not a.teacher_pool:
-        fail("--split-grads splits student and teacher gradients: it needs --teacher-pool")
-    if not a.rewards and not a.reward_fn:
-        fail("no reward: give --rewards and/or --reward-fn")
+    """Impossible flags and combinations fail here, the first one found, with what to change."""
+    dash = lambda k: "--" + k.replace("_", "-")  # noqa: E731
+    choices = {"scale": ("std", "none"), "loss_agg": LOSS_AGGS, "optim": OPTIMS, "dtype": ("auto", "bf16", "fp32")}
+    at_least_1 = ("prompts_per_step", "num_generations", "max_new_tokens", "micro_batch_size", "num_iterations",
+                  "max_gen_rounds", "max_steps")
+    at_least_0 = ("save_every", "eval_every", "top_k", "lora_r", "max_grad_norm", "weight_decay", "teacher_per_group")
+    rules = [(getattr(a, k) not in v, f"{dash(k)} {getattr(a, k)!r}: use one of {', '.join(v)}")
+             for k, v in choices.items()]
+    rules += [(getattr(a, k) < 1, f"{dash(k)} must be at least 1") for k in at_least_1]
+    rules += [(getattr(a, k) < 0, f"{dash(k)} must be >= 0") for k in at_least_0] + [
+        (a.temperature <= 0, "--temperature must be > 0"), (not 0 < a.top_p <= 1, "--top-p must be in (0, 1]"),
+        (not 0 <= a.lora_dropout < 1, "--lora-dropout must be in [0, 1)"),
+        (a.learning_rate <= 0, "--learning-rate must be > 0"),
+        (not 0 <= a.eps_low < 1 or a.eps_high < 0, "--eps-low must be in [0, 1) and --eps-high >= 0"),
+        (a.num_generations + a.teacher_per_group < 2,
+         "a group needs at least 2 completions for a group-relative advantage: raise --num-generations"),
+        (a.resume and a.overwrite, "--resume continues the run in --output-dir and --overwrite deletes it: give one"),
+        (a.load_in_4bit and a.lora_r == 0, "--load-in-4bit trains LoRA adapters on frozen 4-bit weights: set --lora-r > 0"),
+        (a.overlong_penalty and not 0 < a.overlong_buffer <= a.max_new_tokens,
+         "--overlong-buffer must be in (0, --max-new-tokens]"),
+        (not 0 <= a.top_k_groups <= a.prompts_per_step, "--top-k-groups must be between 0 and --prompts-per-step"),
+        (bool(a.teacher_pool) != (a.teacher_per_group > 0),
+         "the mixed pool needs both --teacher-pool PATH and --teacher-per-group G_T > 0"),
+        (a.split_grads and not a.teacher_pool, "--split-grads splits student and teacher gradients: it needs --teacher-pool"),
+        (not a.rewards and not a.reward_fn, "no reward: give --rewards and/or --reward-fn")]
+    for bad, msg in rules:
+        if bad:
+            fail(msg)
 
 
 def describe_objective(a: Args) -> str:
@@ -910,14 +902,6 @@ def find_checkpoint(output_dir: str) -> str | None:
     return None
 
 
-def saved_args(output_dir: str) -> dict:
-    ckpt = find_checkpoint(output_dir)
-    if ckpt is None:
-        fail(f"--resume: {output_dir!r} holds no checkpoint to continue")
-    with open(os.path.join(ckpt, "grpo_args.json")) as f:
-        return {k: v for k, v in json.load(f).items() if k in Args.__dataclass_fields__}
-
-
 def save(model, tok, a: Args, state: dict):
     """checkpoint/: weights (adapter or model), tokenizer, grpo_args.json, trainer_state.pt (step, prompts
     drawn, optimizer, every rank's RNG). Written to checkpoint.tmp/ and swapped in by two renames, so at
@@ -938,17 +922,10 @@ def save(model, tok, a: Args, state: dict):
     shutil.rmtree(old, ignore_errors=True)
 
 
-def rng_state(teacher_rng: random.Random) -> dict:
+def rng_state(teacher_rng: random.Random) -> tuple:
+    """Every random state a step draws on: torch's (CPU, this GPU), python's, the teacher pool's."""
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    return dict(torch=torch.get_rng_state(), cuda=cuda, python=random.getstate(), teacher=teacher_rng.getstate())
-
-
-def set_rng_state(s: dict, teacher_rng: random.Random):
-    torch.set_rng_state(s["torch"])
-    if s["cuda"] is not None:
-        torch.cuda.set_rng_state(s["cuda"])
-    random.setstate(s["python"])
-    teacher_rng.setstate(s["teacher"])
+    return torch.get_rng_state(), cuda, random.getstate(), teacher_rng.getstate()
 
 
 def check_paths(a: Args):
@@ -976,12 +953,9 @@ def check_paths(a: Args):
 def open_metrics(a: Args, step: int):
     """metrics.jsonl; on --resume it keeps the saved run's rows up to its checkpoint's step and goes on."""
     path = os.path.join(a.output_dir, "metrics.jsonl")
-    rows = []
-    if a.resume and os.path.exists(path):
-        with open(path) as f:
-            rows = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+    rows = open(path).readlines() if a.resume and os.path.exists(path) else []
     with open(path + ".tmp", "w") as f:
-        f.writelines(rows)
+        f.writelines(row for row in rows if row.strip() and json.loads(row)["step"] <= step)
     os.replace(path + ".tmp", path)
     return open(path, "a")
 
@@ -1019,7 +993,10 @@ def main(argv=None):
         if len(state["rng"]) != world:
             fail(f"--resume: the saved run ran on {len(state['rng'])} processes, this one on {world}: use as many")
         opt.load_state_dict(state["optimizer"])
-        set_rng_state(state["rng"][rank], teacher_rng)
+        cpu, cuda, python, teacher = state["rng"][rank]
+        torch.set_rng_state(cpu), random.setstate(python), teacher_rng.setstate(teacher)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
         done = {k: state[k] for k in done}
     stream = prompt_stream(train, a.seed, done["prompts_drawn"])
     done["rng"] = all_gather(rng_state(teacher_rng))
