@@ -256,7 +256,8 @@ def write(path, lines):
 ])
 def test_bad_dataset_names_file_and_line(tmp_path, lines, says):
     with pytest.raises(SystemExit, match=says):
-        grpo.main(["--dataset", write(tmp_path / "bad.jsonl", lines), "--model", "/nonexistent"])
+        grpo.main(["--dataset", write(tmp_path / "bad.jsonl", lines), "--model", "no-such/model", "--output-dir",
+                   str(tmp_path / "out")])
 
 
 @pytest.mark.parametrize("body, says", [
@@ -266,7 +267,7 @@ def test_bad_dataset_names_file_and_line(tmp_path, lines, says):
 def test_bad_reward_is_named_before_training(tmp_path, body, says):
     (tmp_path / "rw.py").write_text(body)
     with pytest.raises(SystemExit, match=says):
-        grpo.main(["--reward-fn", f"{tmp_path}/rw.py:r", "--model", "/nonexistent", "--output-dir", str(tmp_path)])
+        grpo.main(["--reward-fn", f"{tmp_path}/rw.py:r", "--model", "no-such/model", "--output-dir", str(tmp_path)])
     assert not os.path.exists(tmp_path / "checkpoint")
 
 
@@ -283,7 +284,7 @@ def test_custom_reward_alone_unless_rewards_given(tmp_path):
 
 def test_gsm8k_format_jsonl(tmp_path):
     path = write(tmp_path / "g.jsonl", ['{"question": "2+2?", "answer": "2+2=<<2+2=4>>4\\n#### 4"}'])
-    assert grpo.load_examples(path) == [{"prompt": "2+2?", "answer": "4"}]
+    assert grpo.load_examples(path, graded=True) == [{"prompt": "2+2?", "answer": "4"}]
 
 
 # ----------------------------------------------------------------------------- tier 2: tiny model in-process
@@ -708,7 +709,8 @@ def test_bad_pool_is_a_clear_error_before_training(tmp_path, case, says):
              "short": pool_lines(prompts, n=2)}[case]
     pool = write(tmp_path / "pool.jsonl", lines)
     with pytest.raises(SystemExit, match=says):
-        grpo.main(["--dataset", data, "--teacher-pool", pool, "--teacher-per-group", "3", "--model", "/nonexistent"])
+        grpo.main(["--dataset", data, "--teacher-pool", pool, "--teacher-per-group", "3", "--model", "no-such/model",
+                   "--output-dir", str(tmp_path / "out")])
 
 
 def mixed_files(tmp_path, n_prompts=4):
