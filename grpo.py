@@ -163,7 +163,8 @@ def parse_args(argv=None) -> Args:
             group = parser.add_argument_group(STAGES[f.name])
         kind = dict(action=argparse.BooleanOptionalAction) if f.type in (bool, "bool") else dict(type=type(f.default))
         by_algo = {algo: preset.get(f.name, f.default) for algo, preset in PRESETS.items()}
-        default = ", ".join(f"{k} {v!r}" for k, v in by_algo.items()) if len(set(by_algo.values())) > 1 else repr(f.default)
+        default = ", ".join(f"{k} {v!r}" for k, v in by_algo.items()) if len(set(by_algo.values())) > 1 \
+            else repr(f.default)
         group.add_argument("--" + f.name.replace("_", "-"), help=f"{f.metadata['help']} [{default}]", **kind)
     given = vars(parser.parse_args(argv))
     algo = given.get("algo", Args.algo)
@@ -207,13 +208,15 @@ def check_args(a: Args):
         (a.num_generations + a.teacher_per_group < 2,
          "a group needs at least 2 completions for a group-relative advantage: raise --num-generations"),
         (a.resume and a.overwrite, "--resume continues the run in --output-dir and --overwrite deletes it: give one"),
-        (a.load_in_4bit and a.lora_r == 0, "--load-in-4bit trains LoRA adapters on frozen 4-bit weights: set --lora-r > 0"),
+        (a.load_in_4bit and a.lora_r == 0,
+         "--load-in-4bit trains LoRA adapters on frozen 4-bit weights: set --lora-r > 0"),
         (a.overlong_penalty and not 0 < a.overlong_buffer <= a.max_new_tokens,
          "--overlong-buffer must be in (0, --max-new-tokens]"),
         (not 0 <= a.top_k_groups <= a.prompts_per_step, "--top-k-groups must be between 0 and --prompts-per-step"),
         (bool(a.teacher_pool) != (a.teacher_per_group > 0),
          "the mixed pool needs both --teacher-pool PATH and --teacher-per-group G_T > 0"),
-        (a.split_grads and not a.teacher_pool, "--split-grads splits student and teacher gradients: it needs --teacher-pool"),
+        (a.split_grads and not a.teacher_pool,
+         "--split-grads splits student and teacher gradients: it needs --teacher-pool"),
         (not a.rewards and not a.reward_fn, "no reward: give --rewards and/or --reward-fn")]
     for bad, msg in rules:
         if bad:
@@ -784,7 +787,7 @@ def aggregate_loss(loss, mask, mode: str, max_len: int, n_seqs=None, n_tokens=No
       seq-mean-token-sum-norm  Σ_i Σ_t l / (n_seq * max_len)        Dr. GRPO, max_len = T"""
     n_seqs = (mask.sum(-1) > 0).sum() if n_seqs is None else n_seqs
     n_tokens = mask.sum() if n_tokens is None else n_tokens
-    per_seq = (loss * mask).sum(-1)  # (N,)
+    per_seq = torch.where(mask != 0, loss * mask, 0).sum(-1)  # (N,); a NaN or inf past EOS must not leak in
     if mode == "token-mean":
         return per_seq.sum() / max(n_tokens, 1)
     if mode == "seq-mean-token-mean":
@@ -839,7 +842,8 @@ def train_step(model, ref_model, opt, batch: dict | None, a: Args) -> dict:
             # imitation of fixed completions, not on-policy GRPO (seed 003 review).
             old = logp.detach() if old_logp is None else old_logp[j]
             loss, clip_low, clip_high = clipped_surrogate(logp, old, adv, a.eps_low, a.eps_high)
-            kl = kl_k3(logp, ref_logp[j]) if a.beta > 0 else torch.zeros_like(logp)
+            # k3 only where the mask is on: past EOS, exp(ref - logp) can overflow and its gradient would be NaN
+            kl = kl_k3(logp, torch.where(m > 0, ref_logp[j], logp.detach())) if a.beta > 0 else torch.zeros_like(logp)
             loss = loss + a.beta * kl
             total = lambda part: aggregate_loss(loss, m * part, a.loss_agg, a.max_new_tokens, n_seqs, n_tokens)  # noqa
             if a.split_grads:  # seed 003: same normaliser; grads harvested and reset between the passes,

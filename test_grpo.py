@@ -97,6 +97,19 @@ def test_aggregate_loss_by_hand(mode, want):
 
 
 @pytest.mark.parametrize("mode", grpo.LOSS_AGGS)
+def test_non_finite_values_past_the_mask_do_not_leak(mode):
+    """A NaN or inf at a masked position (e.g. k3 past EOS, exp(ref - logp) overflowing) changes neither the
+    loss nor the gradient of the positions that count."""
+    w = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], requires_grad=True)
+    bad = w + torch.tensor([[0.0, 0.0, math.inf], [0.0, math.nan, 0.0]])
+    loss = grpo.aggregate_loss(bad, MASK, mode, max_len=4)
+    g, = torch.autograd.grad(loss, w)
+    want = grpo.aggregate_loss(w, MASK, mode, max_len=4)
+    assert loss.item() == pytest.approx(want.item()) and torch.isfinite(g).all()
+    assert torch.equal(g, torch.autograd.grad(want, w)[0])
+
+
+@pytest.mark.parametrize("mode", grpo.LOSS_AGGS)
 def test_aggregate_loss_micro_batches_sum_to_full_batch(mode):
     """With the step's normalisers passed in, micro-batch losses (hence gradients) add up to the full one."""
     torch.manual_seed(0)
@@ -798,7 +811,8 @@ def test_resume_continues_the_run_bit_for_bit(tiny_dir, tmp_path):
     run(common + ["--output-dir", straight, "--max-steps", "4"])
     run(common + ["--output-dir", split, "--max-steps", "2"])
     p = run(["--output-dir", split, "--resume", "--max-steps", "4"])  # the saved run's flags
-    assert p.stdout.strip().splitlines()[-1] == f"grpo: step 4 saved in {split}/checkpoint; metrics in {split}/metrics.jsonl"
+    last = p.stdout.strip().splitlines()[-1]
+    assert last == f"grpo: step 4 saved in {split}/checkpoint; metrics in {split}/metrics.jsonl"
     assert steady(metrics(split)) == steady(metrics(straight)) and len(metrics(split)) == 4
     a, b = trained(straight), trained(split)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -915,8 +929,10 @@ def test_every_input_is_checked_before_anything_is_touched(tiny_dir, tmp_path, c
         argv += ["--dataset", write_data(tmp_path, [], raw='{"prompt": "a", "answer": "1"}\n{"prompt": "caf\xe9", '
                                                           '"answer": "1"}\n'.encode("latin-1"))]
     elif case in ("null answer", "empty answer", "gsm8k no hashes", "prompt not text"):
-        lines = {"null answer": ok + [{"prompt": "x", "answer": None}], "empty answer": [{"prompt": "x", "answer": " "}],
-                 "gsm8k no hashes": [{"question": "2+2?", "answer": "4"}], "prompt not text": [{"prompt": 3, "answer": "3"}]}
+        lines = {"null answer": ok + [{"prompt": "x", "answer": None}],
+                 "empty answer": [{"prompt": "x", "answer": " "}],
+                 "gsm8k no hashes": [{"question": "2+2?", "answer": "4"}],
+                 "prompt not text": [{"prompt": 3, "answer": "3"}]}
         argv += ["--dataset", write_data(tmp_path, lines[case])]
     elif case == "model without tokenizer":
         os.makedirs(tmp_path / "m")
