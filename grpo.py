@@ -419,6 +419,9 @@ def load_model(a: Args, device: torch.device, resume: str | None = None):
     for m in model.modules():  # bitsandbytes on CPU repacks 4-bit weights in eval mode; training then fails
         if hasattr(m, "support_avx512bf16_for_cpu"):
             m.support_avx512bf16_for_cpu = False
+    # generate() hands the output layer a strided (B, 1, H) slice; torch's CPU bf16 matmul then copies the
+    # frozen weight once per row (4.4 GB for 16 rows at V = 151,936). A contiguous input costs B x H.
+    model.get_output_embeddings().register_forward_pre_hook(lambda _, args: (args[0].contiguous(), *args[1:]))
     eos = model.generation_config.eos_token_id  # chat models may end on several tokens
     eos = sorted({tok.eos_token_id, *(eos if isinstance(eos, list) else [eos] if eos is not None else [])})
     # generate() fills every field a call leaves unset from the model's own generation config (Qwen2.5-
@@ -486,8 +489,7 @@ def lora_merged(model, a: Args):
     Not with 4-bit weights, which cannot hold the sum."""
     layers = [m for m in model.modules() if hasattr(m, "get_delta_weight")] if a.lora_r and not a.load_in_4bit else []
     originals = [m.get_base_layer().weight.data for m in layers]
-    for m in layers:
-        w = m.get_base_layer().weight.data  # the delta is fp32 (peft's adapters): keep the base's dtype
+    for m, w in zip(layers, originals):  # the delta is fp32 (peft's adapters): the sum keeps the base's dtype
         m.get_base_layer().weight.data = w + sum(m.get_delta_weight(name) for name in m.active_adapters).to(w.dtype)
         m.merged_adapters.extend(m.active_adapters)  # peft then skips the adapter in forward
     try:
