@@ -703,17 +703,17 @@ def collate(groups: list[dict], pad_id: int, device) -> dict:
 
 # ----------------------------------------------------------------------------- log-probs
 class FrozenHeadLogp(torch.autograd.Function):
-    """Log-probs of the targets (and entropy) from hidden states h (C, H) through a frozen output layer
-    W (V, H), as LoRA leaves it, without keeping the (C, V) logits for backward. With z = h W^T / T:
+    """Log-probs of the targets (and entropy) from hidden states h (n, H) through a frozen output layer
+    W (V, H), as LoRA leaves it, without keeping the (n, V) logits for backward. With z = h W^T / T:
     d logp / d h = (W[target] - softmax(z) W) / T, and softmax(z) W is one matmul in the forward, the
     same work as the dz W that autograd's backward would do, so nothing is recomputed."""
     @staticmethod
     def forward(ctx, h, weight, target, temperature):
-        z = (h @ weight.T).float() / temperature  # (C, V)
+        z = (h @ weight.T).float() / temperature  # (n, V)
         lse = z.logsumexp(-1)
         p = (z - lse[:, None]).exp_()
         ctx.temperature, ctx.h_dtype = temperature, h.dtype
-        ctx.save_for_backward(weight[target] - p.to(weight.dtype) @ weight)  # (C, H)
+        ctx.save_for_backward(weight[target] - p.to(weight.dtype) @ weight)  # (n, H)
         entropy = lse - (p * z).sum(-1)
         ctx.mark_non_differentiable(entropy)
         return z.gather(-1, target[:, None])[:, 0] - lse, entropy
@@ -727,28 +727,30 @@ class FrozenHeadLogp(torch.autograd.Function):
 def token_logps(model, input_ids, attention_mask, n_completion: int, temperature: float = 1.0):
     """Log-probs and entropy (N, C) of the last C tokens, from one forward over prompt + completion.
     Position ids count real tokens, as generate() did with left padding. The vocabulary is wide
-    (V = 151,936 for Qwen2.5), so the output layer runs on one row of hidden states at a time, in fp32,
-    and no (N, C, V) logits are kept for backward: a frozen output layer (LoRA) takes FrozenHeadLogp, a
-    trained one (full fine-tuning) recomputes its row's logits in backward (checkpoint)."""
+    (V = 151,936 for Qwen2.5), so the output layer runs on chunks of 2^24 / V tokens (64 MB of fp32
+    logits) and no (N, C, V) logits are kept for backward: a frozen output layer (LoRA) takes
+    FrozenHeadLogp, a trained one (full fine-tuning) recomputes its chunk's logits in backward."""
     pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
                                  use_cache=False).last_hidden_state[:, -n_completion - 1:-1]  # (N, C, H)
-    targets = input_ids[:, -n_completion:]  # (N, C): hidden state t predicts token t+1
     head = model.get_output_embeddings()
+    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), input_ids[:, -n_completion:].reshape(-1)  # (N*C, H), (N*C,)
 
-    def row(h, tgt):  # (C, H), (C,) -> logp, entropy (C,)
-        logits = head(h).float() / temperature  # (C, V)
+    def chunk(h, tgt):  # (n, H), (n,) -> logp, entropy (n,): hidden state t predicts token t+1
+        logits = head(h).float() / temperature  # (n, V)
         lse = logits.logsumexp(-1)
         with torch.no_grad():  # entropy from the same logits: a metric, no extra pass
             entropy = lse - (logits.softmax(-1) * logits).sum(-1)
         return logits.gather(-1, tgt[:, None])[:, 0] - lse, entropy
     if not torch.is_grad_enabled():
-        rows = [row(h, t) for h, t in zip(hidden, targets)]
+        step = chunk
     elif head.weight.requires_grad or head.bias is not None:
-        rows = [checkpoint(row, h, t, use_reentrant=False) for h, t in zip(hidden, targets)]
+        step = lambda h, tgt: checkpoint(chunk, h, tgt, use_reentrant=False)  # noqa: E731
     else:
-        rows = [FrozenHeadLogp.apply(h, head.weight, t, temperature) for h, t in zip(hidden, targets)]
-    return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+        step = lambda h, tgt: FrozenHeadLogp.apply(h, head.weight, tgt, temperature)  # noqa: E731
+    n = max(1, 2 ** 24 // head.weight.shape[0])
+    logp, entropy = zip(*[step(h, t) for h, t in zip(hidden.split(n), targets.split(n))])
+    return torch.cat(logp).view(len(input_ids), -1), torch.cat(entropy).view(len(input_ids), -1)
 
 
 @contextlib.contextmanager

@@ -825,7 +825,7 @@ def test_resume_with_a_contradicting_flag_names_it(tiny_dir, tmp_path):
         with pytest.raises(SystemExit, match=f"--resume: {flag} is .* in the saved run"):
             grpo.parse_args(["--output-dir", out, "--resume", flag, value])
     assert grpo.parse_args(["--output-dir", out, "--resume", "--max-steps", "9"]).num_generations == 4
-    with pytest.raises(SystemExit, match="holds no checkpoint"):
+    with pytest.raises(SystemExit, match="--resume: no checkpoint to continue"):
         grpo.parse_args(["--output-dir", str(tmp_path / "empty"), "--resume"])
 
 
