@@ -6,6 +6,7 @@
     python grpo.py --algo drgrpo_soft --model Qwen/Qwen2.5-0.5B-Instruct
     python grpo.py --algo drgrpo --dry-run      # print the objective a preset optimises, then exit
     torchrun --nproc_per_node 4 grpo.py ...     # several GPUs: each rank takes whole groups
+    python grpo.py --resume --max-steps 400     # continue the run saved in --output-dir, bit for bit
 
 One step: B prompts -> G sampled completions each -> rewards -> group-relative
 advantages -> clipped token loss -> one optimizer step (num_iterations of them).
