@@ -59,6 +59,11 @@ from torch.utils.checkpoint import checkpoint
 import rewards as R
 
 
+def dash(name: str) -> str:
+    """A field's flag as typed: max_new_tokens -> --max-new-tokens."""
+    return "--" + name.replace("_", "-")
+
+
 def fail(msg: str):
     """Bad input or impossible flags: one line, before any training when it can be found then."""
     raise SystemExit(f"grpo: error: {msg}")
@@ -166,7 +171,7 @@ def parse_args(argv=None) -> Args:
         by_algo = {algo: preset.get(f.name, f.default) for algo, preset in PRESETS.items()}
         default = ", ".join(f"{k} {v!r}" for k, v in by_algo.items()) if len(set(by_algo.values())) > 1 \
             else repr(f.default)
-        group.add_argument("--" + f.name.replace("_", "-"), help=f"{f.metadata['help']} [{default}]", **kind)
+        group.add_argument(dash(f.name), help=f"{f.metadata['help']} [{default}]", **kind)
     given = vars(parser.parse_args(argv))
     algo = given.get("algo", Args.algo)
     if algo not in PRESETS:
@@ -179,7 +184,7 @@ def parse_args(argv=None) -> Args:
             defaults = {k: v for k, v in json.load(f).items() if k in Args.__dataclass_fields__}
         for k, v in given.items():
             if k not in RUN_LENGTH and defaults[k] != v:
-                fail(f"--resume: --{k.replace('_', '-')} is {v!r} here but {defaults[k]!r} in the saved run: drop "
+                fail(f"--resume: {dash(k)} is {v!r} here but {defaults[k]!r} in the saved run: drop "
                      f"the flag to continue that run, or start a new one in another --output-dir")
     elif given.get("reward_fn") and "rewards" not in given:
         defaults = {**defaults, "rewards": ""}  # a custom reward alone, unless --rewards names built-ins too
@@ -193,7 +198,6 @@ def parse_args(argv=None) -> Args:
 
 def check_args(a: Args):
     """Impossible flags and combinations fail here, the first one found, with what to change."""
-    dash = lambda k: "--" + k.replace("_", "-")  # noqa: E731
     choices = {"scale": ("std", "none"), "loss_agg": LOSS_AGGS, "optim": OPTIMS, "dtype": ("auto", "bf16", "fp32")}
     at_least_1 = ("prompts_per_step", "num_generations", "max_new_tokens", "micro_batch_size", "num_iterations",
                   "max_gen_rounds", "max_steps")
@@ -287,17 +291,12 @@ def arithmetic_task(n: int, seed: int) -> list[dict]:
     for _ in range(n):
         who, what, a, b = rng.choice(names), rng.choice(items), rng.randint(2, 99), rng.randint(2, 99)
         kind = rng.randrange(4)
-        if kind == 0:
-            q, ans = f"{who} has {a} {what} and gets {b} more. How many {what} does {who} have now?", a + b
-        elif kind == 1:
-            a, b = max(a, b), min(a, b)
-            q, ans = f"{who} has {a} {what} and gives away {b}. How many {what} are left?", a - b
-        elif kind == 2:
+        if kind >= 2:
             a = rng.randint(2, 12)
-            q, ans = f"{who} buys {a} boxes with {b} {what} in each. How many {what} is that?", a * b
-        else:
-            a = rng.randint(2, 12)
-            q, ans = f"{who} shares {a * b} {what} equally among {a} friends. How many does each get?", b
+        q, ans = [(f"{who} has {a} {what} and gets {b} more. How many {what} does {who} have now?", a + b),
+                  (f"{who} has {max(a, b)} {what} and gives away {min(a, b)}. How many {what} are left?", abs(a - b)),
+                  (f"{who} buys {a} boxes with {b} {what} in each. How many {what} is that?", a * b),
+                  (f"{who} shares {a * b} {what} equally among {a} friends. How many does each get?", b)][kind]
         out.append({"prompt": q, "answer": str(ans)})
     return out
 
@@ -329,9 +328,12 @@ def read_jsonl(path: str, fields: tuple[str, ...]) -> list[tuple[int, dict]]:
 def load_examples(path: str, graded: bool) -> list[dict]:
     """A local JSONL in GSM8K's format (question, answer ending '#### N') or prompt/answer. graded: a
     built-in correctness reward will read the answers, so each must hold one."""
-    fields = ("question", "answer") if "question" in read_jsonl(path, ())[0][1] else ("prompt", "answer")
+    rows = read_jsonl(path, ())
+    fields = ("question", "answer") if "question" in rows[0][1] else ("prompt", "answer")
     out = []
-    for i, r in read_jsonl(path, fields):
+    for i, r in rows:
+        if any(k not in r for k in fields):
+            fail(f"{path}:{i}: each line needs the fields {', '.join(fields)}")
         if not isinstance(r[fields[0]], str) or not r[fields[0]].strip():
             fail(f"{path}:{i}: {fields[0]} must be a non-empty string")
         answer = "" if r["answer"] is None else str(r["answer"])
