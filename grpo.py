@@ -88,11 +88,13 @@ class Args:
     dry_run: bool = flag(False, "print the resolved flags and the objective they optimise, then exit")
     save_every: int = flag(50, "steps between checkpoints (0: only at the end)")
     wandb_project: str = flag("", "log to this wandb project too (needs wandb installed)")
+    log_samples: int = flag(0, "groups a step written to samples.jsonl: texts, each reward, advantage (0: none)")
     # data
     dataset: str = flag("", "'' built-in arithmetic task | gsm8k (needs `datasets`) | a JSONL file "
                         "(GSM8K's question/answer, or prompt/answer)")
     eval_dataset: str = flag("", "JSONL of held-out prompts (gsm8k and the built-in task have their own)")
-    eval_every: int = flag(50, "steps between greedy evaluations (0: never)")
+    eval_every: int = flag(50, "steps between evaluations, also before the first and at the last (0: never)")
+    eval_samples: int = flag(0, "k: sample k completions per held-out prompt too, for mean@k and pass@k")
     eval_prompts: int = flag(64, "held-out prompts per evaluation")
     system_prompt: str = flag("Please reason step by step, and put your final answer within \\boxed{}.",
                               "system message of the chat template ('' for none)")
@@ -122,7 +124,13 @@ class Args:
                          "| seq-mean-token-sum-norm")
     eps_low: float = flag(0.2, "ratio clipped below at 1 - eps_low")
     eps_high: float = flag(0.2, "ratio clipped above at 1 + eps_high (DAPO clip-higher: 0.28)")
-    beta: float = flag(0.0, "k3 KL weight against the reference (adapter disabled)")
+    ratio: str = flag("token", "token: r = pi / pi_old per token | sequence: GSPO's s_i = exp(mean_t log r)")
+    surrogate: str = flag("clip", "clip: PPO's -min(rA, clip(r) A) | cispo: -sg(clip(r)) A log pi | sapo: soft gate")
+    sapo_tau_pos: float = flag(1.0, "SAPO gate temperature where A > 0")
+    sapo_tau_neg: float = flag(1.05, "SAPO gate temperature where A < 0")
+    dual_clip: float = flag(0.0, "c > 1: where A < 0 the loss is at most c |A| (dual-clip PPO; 0: off)")
+    beta: float = flag(0.0, "KL weight against the reference (adapter disabled)")
+    kl: str = flag("k3", "KL term: k3 (GRPO eq. 4) | k3_ratio | k2 (see kl_penalty)")
     mask_truncated: bool = flag(False, "DAPO §3.4 overlong filtering: no loss on completions without EOS")
     num_iterations: int = flag(1, "optimizer steps per rollout batch (old_logp computed once if > 1)")
     # mixed student + teacher pool
@@ -156,7 +164,7 @@ PRESETS = {  # SPEC §5; values from the papers and seeds
                         soft_reweight=True),
 }
 RUN_LENGTH = {"output_dir", "resume", "overwrite", "dry_run", "max_steps", "save_every", "eval_every", "eval_prompts",
-              "wandb_project"}  # what --resume lets change
+              "eval_samples", "log_samples", "wandb_project"}  # what --resume lets change
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 OPTIMS = ("adamw_torch", "adamw_8bit", "paged_adamw_8bit")
 
@@ -198,10 +206,12 @@ def parse_args(argv=None) -> Args:
 
 def check_args(a: Args):
     """Impossible flags and combinations fail here, the first one found, with what to change."""
-    choices = {"scale": ("std", "none"), "loss_agg": LOSS_AGGS, "optim": OPTIMS, "dtype": ("auto", "bf16", "fp32")}
+    choices = {"scale": ("std", "none"), "loss_agg": LOSS_AGGS, "optim": OPTIMS, "dtype": ("auto", "bf16", "fp32"),
+               "ratio": ("token", "sequence"), "surrogate": ("clip", "cispo", "sapo"), "kl": ("k3", "k3_ratio", "k2")}
     at_least_1 = ("prompts_per_step", "num_generations", "max_new_tokens", "micro_batch_size", "num_iterations",
                   "max_gen_rounds", "max_steps")
-    at_least_0 = ("save_every", "eval_every", "top_k", "lora_r", "max_grad_norm", "weight_decay", "teacher_per_group")
+    at_least_0 = ("save_every", "eval_every", "top_k", "lora_r", "max_grad_norm", "weight_decay", "teacher_per_group",
+                  "eval_samples", "log_samples")
     rules = [(getattr(a, k) not in v, f"{dash(k)} {getattr(a, k)!r}: use one of {', '.join(v)}")
              for k, v in choices.items()]
     rules += [(getattr(a, k) < 1, f"{dash(k)} must be at least 1") for k in at_least_1]
@@ -210,6 +220,9 @@ def check_args(a: Args):
         (not 0 <= a.lora_dropout < 1, "--lora-dropout must be in [0, 1)"),
         (a.learning_rate <= 0, "--learning-rate must be > 0"),
         (not 0 <= a.eps_low < 1 or a.eps_high < 0, "--eps-low must be in [0, 1) and --eps-high >= 0"),
+        (min(a.sapo_tau_pos, a.sapo_tau_neg) <= 0, "--sapo-tau-pos and --sapo-tau-neg must be > 0"),
+        (a.dual_clip and (a.dual_clip <= 1 or a.surrogate != "clip"),
+         "--dual-clip c caps the clipped surrogate's loss at c |A|: it needs c > 1 and --surrogate clip"),
         (a.num_generations + a.teacher_per_group < 2,
          "a group needs at least 2 completions for a group-relative advantage: raise --num-generations"),
         (a.resume and a.overwrite, "--resume continues the run in --output-dir and --overwrite deletes it: give one"),
@@ -604,12 +617,14 @@ def keep_by_rank(counts: list[int], total: int) -> list[int]:
 
 def group_metrics(groups: list[dict]) -> dict:
     """Reward, accuracy and length metrics over all ranks' groups; per source in the mixed pool."""
-    rows = [[float(r), len(c), t, te, R.is_correct(x, g["answer"])]
+    rows = [[float(r), len(c), t, te, R.is_correct(x, g["answer"]), bool(g["rewards"].max() == g["rewards"].min())]
             for g in groups for r, c, t, te, x in zip(g["rewards"], g["completions"], g["truncated"],
                                                        g["is_teacher"], g["texts"])]
     rows = torch.tensor([r for rank_rows in all_gather(rows) for r in rank_rows], dtype=torch.float64)
-    student, teacher = rows[rows[:, 3] == 0], rows[rows[:, 3] == 1]  # reward, length, truncated, teacher, correct
+    # columns: reward, length, truncated, teacher, correct, in a group of equal rewards (groups are all G rows)
+    student, teacher = rows[rows[:, 3] == 0], rows[rows[:, 3] == 1]
     out = {"reward/mean": rows[:, 0].mean().item(), "reward/std": rows[:, 0].std().item(),
+           "groups/equal_frac": rows[:, 5].mean().item(),
            "accuracy": student[:, 4].mean().item(), "completion/mean_length": student[:, 1].mean().item(),
            "completion/max_length": student[:, 1].max().item(),
            "completion/truncated_frac": student[:, 2].mean().item()}
@@ -622,8 +637,9 @@ def group_metrics(groups: list[dict]) -> dict:
     return out
 
 
-def rollout(model, tok, stream, reward_fns, pool, a: Args, rank=0, world=1, rng=None) -> tuple[list[dict], dict]:
-    """Generate and score this rank's groups for one step, then filter and compute advantages.
+def rollout(model, tok, stream, reward_fns, pool, a: Args, rank=0, world=1, rng=None):
+    """Generate and score this rank's groups for one step, then filter and compute advantages. Returns the
+    kept groups, the step's metrics, and every group generated (the kept ones hold "adv").
     A group: one prompt, G = G_s student + G_t teacher rows, rewards (G,), adv (G,)."""
     rng = rng or random.Random(a.seed + 1000 * rank)
     groups, generated, rounds, t_gen, t_rew, n_tokens = [], [], 0, 0.0, 0.0, 0
@@ -644,7 +660,7 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, rank=0, world=1, rng=
             rows = slice(i * G_s, (i + 1) * G_s)
             g = dict(prompt_ids=prompts[i], completions=comps[rows], truncated=truncated[rows],
                      rewards=rewards[rows], texts=student[rows], is_teacher=[False] * G_s,
-                     per_fn={k: v[rows] for k, v in per_fn.items()}, answer=ex["answer"])
+                     per_fn={k: v[rows] for k, v in per_fn.items()}, prompt=ex["prompt"], answer=ex["answer"])
             if a.teacher_per_group:  # mixed pool, seed 003: cached completions, frozen rewards from the pool
                 picks = rng.sample(pool[ex["prompt"]], a.teacher_per_group)
                 ids, cut = zip(*[teacher_completion(tok, t, tok.eos_token_id, a.max_new_tokens) for t, _ in picks])
@@ -682,7 +698,7 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, rank=0, world=1, rng=
     if a.soft_reweight and groups:
         stats.update({"adv/soft_weight_min": min(weights), "adv/soft_weight_mean": sum(weights) / len(weights),
                       "adv/soft_weight_max": max(weights)})
-    return groups, stats
+    return groups, stats, generated
 
 
 def collate(groups: list[dict], pad_id: int, device) -> dict:
@@ -767,21 +783,44 @@ def reference(model, ref_model):
 
 
 # ----------------------------------------------------------------------------- loss
-def clipped_surrogate(logp, old_logp, adv, eps_low: float, eps_high: float):
-    """Per-token PPO/GRPO loss -min(r A, clip(r, 1-eps_low, 1+eps_high) A), r = exp(logp - old_logp).
-    eps_high > eps_low is DAPO (2503.14476) §3.1 clip-higher. adv broadcasts over tokens: (N, 1).
-    Returns the loss (N, C) and where the clip is active below (A < 0) and above (A > 0)."""
-    ratio = torch.exp(logp - old_logp)
-    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
-    loss = -torch.min(ratio * adv, clipped * adv)
-    return loss, (ratio < 1 - eps_low) & (adv < 0), (ratio > 1 + eps_high) & (adv > 0)
+def policy_loss(logp, old_logp, adv, mask, a: Args):
+    """Per-token policy loss (N, C), each choice its own flag; adv (N, 1). Also where the ratio left
+    [1 - eps_low, 1 + eps_high] on the side that matters (below with A < 0, above with A > 0).
+    With old_logp = logp.detach() (num_iterations 1, r = 1) every choice has the gradient -A grad log pi.
+      ratio      token: r_t = pi / pi_old                                PPO, GRPO
+                 sequence: s_i = exp(mean_t log r_t) at every token       GSPO (2507.18071) eq. 7
+      surrogate  clip: -min(r A, clip(r, 1-eps_low, 1+eps_high) A)       PPO; DAPO §3.1 clip-higher
+                 cispo: -sg(clip(r, 1-eps_low, 1+eps_high)) A log pi      MiniMax-M1 (2506.13585) eq. 4
+                 sapo: -(4/tau) sigmoid(tau (r - 1)) A, tau by A's sign   SAPO (2511.20347)
+      dual_clip  c: where A < 0 the loss is at most c |A|                 Dual-clip PPO (1912.09729)"""
+    log_ratio = torch.where(mask != 0, logp - old_logp, 0)  # (N, C)
+    if a.ratio == "sequence":
+        log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (N, 1)
+    ratio = torch.exp(log_ratio).expand_as(logp)
+    clipped = torch.clamp(ratio, 1 - a.eps_low, 1 + a.eps_high)
+    if a.surrogate == "cispo":
+        loss = -clipped.detach() * adv * logp
+    elif a.surrogate == "sapo":
+        tau = torch.where(adv > 0, a.sapo_tau_pos, a.sapo_tau_neg)
+        loss = -(4 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv
+    else:
+        loss = -torch.min(ratio * adv, clipped * adv)
+    if a.dual_clip:
+        loss = torch.where(adv < 0, torch.minimum(loss, -a.dual_clip * adv), loss)
+    return loss, (ratio < 1 - a.eps_low) & (adv < 0), (ratio > 1 + a.eps_high) & (adv > 0)
 
 
-def kl_k3(logp, ref_logp):
-    """Schulman's k3 estimator of KL(pi || ref), per token: exp(ref - logp) - (ref - logp) - 1 >= 0.
-    GRPO (2402.03300) eq. 4."""
+def kl_penalty(logp, ref_logp, kind: str = "k3"):
+    """Per-token KL term (Schulman's estimators), with d = log ref - log pi; its gradient under samples of pi:
+      k3        e^d - d - 1: an unbiased VALUE of KL(pi || ref), GRPO (2402.03300) eq. 4; but its gradient
+                (1 - ref/pi) grad log pi has the mean grad KL(ref || pi), the reverse direction
+      k3_ratio  k3 · pi / sg(pi): the same value; gradient mean grad KL(pi || ref) (the score term added)
+      k2        d^2 / 2: gradient -d grad log pi, whose mean is grad KL(pi || ref)"""
     d = ref_logp - logp
-    return torch.exp(d) - d - 1
+    if kind == "k2":
+        return d * d / 2
+    k3 = torch.exp(d) - d - 1
+    return k3 * torch.exp(logp - logp.detach()) if kind == "k3_ratio" else k3
 
 
 def aggregate_loss(loss, mask, mode: str, max_len: int, n_seqs=None, n_tokens=None):
@@ -848,10 +887,11 @@ def train_step(model, ref_model, opt, batch: dict | None, a: Args) -> dict:
             # the old policy is the CURRENT one too (ratio = 1 forced): on them this is advantage-weighted
             # imitation of fixed completions, not on-policy GRPO (seed 003 review).
             old = logp.detach() if old_logp is None else old_logp[j]
-            loss, clip_low, clip_high = clipped_surrogate(logp, old, adv, a.eps_low, a.eps_high)
-            # k3 only where the mask is on: past EOS, exp(ref - logp) can overflow and its gradient would be NaN
-            kl = kl_k3(logp, torch.where(m > 0, ref_logp[j], logp.detach())) if a.beta > 0 else torch.zeros_like(logp)
-            loss = loss + a.beta * kl
+            loss, clip_low, clip_high = policy_loss(logp, old, adv, m, a)
+            # KL only where the mask is on: past EOS, exp(ref - logp) can overflow and its gradient would be NaN
+            ref = torch.where(m > 0, ref_logp[j], logp.detach()) if a.beta > 0 else logp.detach()
+            loss = loss + a.beta * kl_penalty(logp, ref, a.kl)  # beta 0: adds exactly 0, value and gradient
+            kl = kl_penalty(logp.detach(), ref)  # the metric: k3, an unbiased value of KL(pi || ref), for any --kl
             total = lambda part: aggregate_loss(loss, m * part, a.loss_agg, a.max_new_tokens, n_seqs, n_tokens)  # noqa
             if a.split_grads:  # seed 003: same normaliser; grads harvested and reset between the passes,
                 teacher = batch["is_teacher"][idx][:, None].float()  # else the second holds g_s + g_t
@@ -891,18 +931,56 @@ def train_step(model, ref_model, opt, batch: dict | None, a: Args) -> dict:
 
 
 # ----------------------------------------------------------------------------- loop
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021, 2107.03374 eq. 1)."""
+    return 1 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def sample_rows(groups: list[dict], step: int) -> list[dict]:
+    """samples.jsonl: one row per completion (teacher rows: no per-function rewards; filtered groups: no adv)."""
+    return [{"step": step, "prompt": g["prompt"], "completion": text, "teacher": teacher,
+             "rewards": None if teacher else {k: v[i].item() for k, v in g["per_fn"].items()},
+             "reward": g["rewards"][i].item(), "adv": g["adv"][i].item() if "adv" in g else None,
+             "length": len(g["completions"][i]), "truncated": bool(g["truncated"][i])}
+            for g in groups for i, (text, teacher) in enumerate(zip(g["texts"], g["is_teacher"]))]
+
+
+def sample_table(rows: list[dict]) -> str:
+    """One group as a short table: the head of each completion, each reward function's value, the total."""
+    names = list(next(r["rewards"] for r in rows if r["rewards"]))
+    lines = [f"prompt: {rows[0]['prompt'][:100]!r}", f"{'completion':<52}" + "".join(f"{n[:12]:>13}" for n in names)
+             + f"{'total':>8}"]
+    for r in rows:
+        vals = [f"{r['rewards'][n]:>13.3g}" if r["rewards"] else f"{'teacher':>13}" for n in names]
+        lines.append(f"{r['completion'][:50]!r:<52}"[:52] + "".join(vals) + f"{r['reward']:>8.3g}")
+    return "\n".join(lines)
+
+
 @torch.no_grad()
 def evaluate(model, tok, examples: list[dict], a: Args, rank: int, world: int) -> dict:
-    """Greedy accuracy on held-out prompts, split over ranks."""
-    mine = examples[rank::world]
-    hits = 0
-    for i in range(0, len(mine), a.prompts_per_step * a.num_generations):
-        chunk = mine[i:i + a.prompts_per_step * a.num_generations]
-        _, comps, _ = generate(model, tok, [chat_prompt(tok, ex["prompt"], a.system_prompt) for ex in chunk], 1,
-                               a, greedy=True)
+    """Greedy accuracy on held-out prompts, split over ranks. With --eval-samples k, also k completions per
+    prompt at the training temperature: mean@k (= pass@1) and pass@j for j = 2, 4, ..., k, as papers report.
+    Those samples draw on a random stream of their own: the run's is untouched, so resume stays exact."""
+    mine, k = examples[rank::world], a.eval_samples
+    per_chunk = max(1, a.prompts_per_step * a.num_generations // max(1, k))  # prompts per generate() call
+    greedy, sampled = [], []  # correct completions per prompt
+
+    def n_correct(chunk, n, **kw):
+        _, comps, _ = generate(model, tok, [chat_prompt(tok, ex["prompt"], a.system_prompt) for ex in chunk], n, a, **kw)
         texts = tok.batch_decode(comps, skip_special_tokens=True)
-        hits += sum(R.is_correct(t, ex["answer"]) for t, ex in zip(texts, chunk))
-    return {"eval/accuracy": all_sum(torch.tensor([float(hits)], device=model.device)).item() / len(examples)}
+        return [sum(R.is_correct(t, ex["answer"]) for t in texts[i * n:(i + 1) * n]) for i, ex in enumerate(chunk)]
+    with torch.random.fork_rng([model.device] if model.device.type == "cuda" else []):
+        torch.manual_seed(a.seed + 1000 * rank + 999)
+        for i in range(0, len(mine), per_chunk):
+            greedy += n_correct(mine[i:i + per_chunk], 1, greedy=True)
+            sampled += n_correct(mine[i:i + per_chunk], k) if k else []
+    greedy, sampled = sum(all_gather(greedy), []), sum(all_gather(sampled), [])
+    out = {"eval/accuracy": sum(greedy) / len(greedy)}
+    if k:
+        out[f"eval/mean@{k}"] = sum(sampled) / (k * len(sampled))
+        for j in sorted({k} | {2 ** e for e in range(1, k.bit_length())} - {1}):
+            out[f"eval/pass@{j}"] = sum(pass_at_k(k, c, j) for c in sampled) / len(sampled)
+    return out
 
 
 def find_checkpoint(output_dir: str) -> str | None:
@@ -961,9 +1039,9 @@ def check_paths(a: Args):
         fail(f"--model {a.model!r}: no such directory")
 
 
-def open_metrics(a: Args, step: int):
-    """metrics.jsonl; on --resume it keeps the saved run's rows up to its checkpoint's step and goes on."""
-    path = os.path.join(a.output_dir, "metrics.jsonl")
+def open_log(a: Args, name: str, step: int):
+    """A JSONL log in the output dir; on --resume it keeps the saved run's rows up to its checkpoint's step."""
+    path = os.path.join(a.output_dir, name)
     rows = open(path).readlines() if a.resume and os.path.exists(path) else []
     with open(path + ".tmp", "w") as f:
         f.writelines(row for row in rows if row.strip() and json.loads(row)["step"] <= step)
@@ -1016,7 +1094,8 @@ def main(argv=None):
     if a.overwrite and rank == 0:
         for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old"):
             shutil.rmtree(os.path.join(a.output_dir, name), ignore_errors=True)
-    log = open_metrics(a, done["step"]) if rank == 0 else None
+    log = open_log(a, "metrics.jsonl", done["step"]) if rank == 0 else None
+    samples = open_log(a, "samples.jsonl", done["step"]) if rank == 0 and a.log_samples else None
     if wandb:
         wandb.init(project=a.wandb_project, config=dataclasses.asdict(a))
     stop = []  # Ctrl-C or SIGTERM: finish this step, save, exit; a second one stops at once
@@ -1025,11 +1104,17 @@ def main(argv=None):
     from tqdm import tqdm
     bar = tqdm(range(done["step"] + 1, a.max_steps + 1), disable=rank != 0, desc=f"{a.algo}", dynamic_ncols=True)
     where = f"{os.path.join(a.output_dir, 'checkpoint')}; metrics in {os.path.join(a.output_dir, 'metrics.jsonl')}"
-    start, training = done["step"], False
+    start, training, warned = done["step"], False, set()
+    if a.eval_every and evals and start == 0:  # where the run starts from, as papers report it
+        m = evaluate(model, tok, evals, a, rank, world)
+        if rank == 0:
+            log.write(json.dumps({"step": 0, **m}) + "\n")
     try:
         for step in bar:
             t0 = time.time()
-            groups, m = rollout(model, tok, stream, reward_fns, pool, a, rank, world, teacher_rng)
+            groups, m, generated = rollout(model, tok, stream, reward_fns, pool, a, rank, world, teacher_rng)
+            if step == start + 1 and rank == 0:  # a broken reward or chat template shows here, not an hour later
+                bar.write(sample_table(sample_rows(generated[:1], step)))
             t1 = time.time()
             training = True
             if m["groups/kept"]:  # the same on every rank; 0 when dynamic sampling kept nothing by its cap
@@ -1041,13 +1126,24 @@ def main(argv=None):
             m["time/train"] = time.time() - t1
             m["completion/tokens"] = all_sum(torch.tensor([float(m["completion/tokens"])], device=device)).item()
             m["tokens_per_second"] = m["completion/tokens"] / (time.time() - t0)
-            if a.eval_every and evals and step % a.eval_every == 0:
+            if a.eval_every and evals and (step % a.eval_every == 0 or step == a.max_steps):
                 m.update(evaluate(model, tok, evals, a, rank, world))
             stopping = bool(all_sum(torch.tensor([float(len(stop))], device=device)).item())
             if rank == 0:
                 m = {"step": step, **m}
                 log.write(json.dumps(m) + "\n")
                 log.flush()
+                if samples:
+                    samples.writelines(json.dumps(r) + "\n" for r in sample_rows(generated[: a.log_samples], step))
+                    samples.flush()
+                for key, bad, msg in [
+                        ("cut", m["completion/truncated_frac"] > 0.5, f"more than half the completions hit "
+                         f"--max-new-tokens {a.max_new_tokens}; a cut-off answer usually scores 0: raise it"),
+                        ("equal", m["groups/equal_frac"] == 1, "every group had equal rewards, so no learning "
+                         "signal: check the reward on the table above (or --log-samples), or the task's difficulty")]:
+                    if bad and key not in warned:  # once per run, each
+                        warned.add(key)
+                        bar.write(f"grpo: warning: step {step}: {msg}")
                 if wandb:
                     wandb.log(m, step=step)
                 bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{m.get('accuracy', 0):.2f}")
@@ -1064,8 +1160,9 @@ def main(argv=None):
         print(f"grpo: step {done['step']} saved in {where}", file=sys.stderr)
         raise
     finally:
-        if log:
-            log.close()
+        for f in (log, samples):
+            if f:
+                f.close()
     if rank == 0:
         print(f"grpo: step {done['step']} saved in {where}")
     if dist.is_initialized():

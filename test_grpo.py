@@ -58,9 +58,10 @@ def run(args, cwd=HERE, check=True, timeout=300):
     return p
 
 
-def metrics(out_dir):
+def metrics(out_dir, with_step_0=False):
+    """metrics.jsonl's rows; step 0, the evaluation before training, only when asked."""
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        return [r for r in map(json.loads, f) if r["step"] or with_step_0]
 
 
 # ----------------------------------------------------------------------------- tier 1: pure functions
@@ -125,10 +126,15 @@ def test_aggregate_loss_micro_batches_sum_to_full_batch(mode):
     assert torch.allclose(g_parts, g_full)
 
 
+def loss_args(**kw):
+    return grpo.Args(eps_low=0.2, eps_high=0.28, **kw)
+
+
 def test_clipped_surrogate_by_hand():
     ratio = torch.tensor([[1.5, 0.5, 0.5, 1.5, 1.1]])
     adv = torch.tensor([[1.0, -1.0, 1.0, -1.0, 1.0]])
-    loss, low, high = grpo.clipped_surrogate(ratio.log(), torch.zeros_like(ratio), adv, 0.2, 0.28)
+    ones = torch.ones_like(ratio)
+    loss, low, high = grpo.policy_loss(ratio.log(), torch.zeros_like(ratio), adv, ones, loss_args())
     # -min(r A, clip(r, 0.8, 1.28) A), term by term
     want = torch.tensor([[-1.28, 0.8, -0.5, 1.5, -1.1]])
     assert torch.allclose(loss, want, atol=1e-6)
@@ -136,17 +142,80 @@ def test_clipped_surrogate_by_hand():
     assert high.tolist() == [[True, False, False, False, False]]
     # clipped tokens carry no gradient, unclipped ones carry -A * r
     logp = ratio.log().requires_grad_()
-    grpo.clipped_surrogate(logp, torch.zeros_like(logp), adv, 0.2, 0.28)[0].sum().backward()
+    grpo.policy_loss(logp, torch.zeros_like(logp), adv, ones, loss_args())[0].sum().backward()
     assert torch.allclose(logp.grad, torch.tensor([[0.0, 0.0, -0.5, 1.5, -1.1]]), atol=1e-6)
 
 
+LOSSES = [dict(), dict(ratio="sequence"), dict(surrogate="cispo"), dict(surrogate="sapo"), dict(dual_clip=3.0),
+          dict(ratio="sequence", surrogate="sapo"), dict(ratio="sequence", surrogate="cispo", dual_clip=2.0)]
+
+
+@pytest.mark.parametrize("kw", LOSSES, ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()) or "clip")
+def test_every_loss_has_the_policy_gradient_on_policy(kw):
+    """num_iterations 1 (old_logp = logp.detach(), r = 1): each loss's gradient is -A grad log pi per token,
+    what people keep asking; a padded position gets none."""
+    torch.manual_seed(0)
+    logp = (-torch.rand(3, 4) * 3).requires_grad_()
+    adv = torch.tensor([[1.5], [-0.7], [0.3]])
+    mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]])
+    loss, _, _ = grpo.policy_loss(logp, logp.detach(), adv, mask, loss_args(**kw))
+    g, = torch.autograd.grad((loss * mask).sum(), logp)
+    assert torch.allclose(g, -adv * mask, atol=1e-6)
+
+
+def test_each_loss_off_policy_by_hand():
+    """r != 1 (num_iterations > 1): each formula's own gradient wrt logp, computed by hand; the summed
+    loss last."""
+    def grad(logp_minus_old, adv, mask=None, **kw):
+        logp = torch.tensor([logp_minus_old]).requires_grad_()
+        mask = torch.ones_like(logp) if mask is None else torch.tensor([mask])
+        loss, _, _ = grpo.policy_loss(logp, torch.zeros_like(logp), torch.tensor([[adv]]), mask, loss_args(**kw))
+        return torch.autograd.grad((loss * mask).sum(), logp)[0][0].tolist() + [(loss * mask).sum().item()]
+    r = 1.5  # above 1 + eps_high = 1.28, A = 1
+    assert grad([math.log(r)], 1.0) == pytest.approx([0.0, -1.28])  # clip: flat, no gradient
+    assert grad([math.log(r)], 1.0, surrogate="cispo") == pytest.approx([-1.28, -1.28 * math.log(r)])
+    s = 1 / (1 + math.exp(-(r - 1)))  # sapo, tau_pos = 1: d/dlogp -(4/tau) sigmoid(tau (r-1)) = -4 s (1-s) r
+    assert grad([math.log(r)], 1.0, surrogate="sapo") == pytest.approx([-4 * s * (1 - s) * r, -4 * s])
+    s = 1 / (1 + math.exp(-1.05 * (r - 1)))  # A < 0: tau_neg = 1.05, loss +(4/1.05) s, gradient +4 s (1-s) r
+    assert grad([math.log(r)], -1.0, surrogate="sapo") == pytest.approx([4 * s * (1 - s) * r, 4 / 1.05 * s])
+    r = 4.0  # A = -1: clip loss -min(-4, -1.28) = 4 with gradient r; dual clip caps it at c |A| = 3, flat
+    assert grad([math.log(r)], -1.0) == pytest.approx([4.0, 4.0])
+    assert grad([math.log(r)], -1.0, dual_clip=3.0) == pytest.approx([0.0, 3.0])
+    assert grad([math.log(2.0)], -1.0, dual_clip=3.0) == pytest.approx([2.0, 2.0])  # under the cap: unchanged
+    # GSPO: log r = 0.1 and 0.3 (a third position padded) -> s = e^0.2 = 1.2214 < 1.28. The loss is -A s at
+    # both tokens and d s / d logp_t = s / 2, so each token's gradient is -A s. Token ratios: -A e^0.1, and
+    # e^0.3 = 1.35 is clipped (0)
+    s = math.exp(0.2)
+    assert grad([0.1, 0.3, 5.0], 1.0, [1.0, 1.0, 0.0], ratio="sequence") == pytest.approx([-s, -s, 0, -2 * s])
+    assert grad([0.1, 0.3, 5.0], 1.0, [1.0, 1.0, 0.0])[:3] == pytest.approx([-math.exp(0.1), 0, 0])
+    assert grad([0.2, 0.4], 1.0, ratio="sequence")[:2] == [0.0, 0.0]  # s = e^0.3 = 1.35 > 1.28: all clipped
+
+
 def test_kl_k3_by_hand_and_unbiased():
-    assert grpo.kl_k3(torch.tensor(math.log(0.5)), torch.tensor(math.log(0.25))).item() == pytest.approx(
+    assert grpo.kl_penalty(torch.tensor(math.log(0.5)), torch.tensor(math.log(0.25))).item() == pytest.approx(
         0.5 - math.log(0.5) - 1)
     # E_{x~pi}[k3(x)] = KL(pi || ref) exactly, over a categorical
     pi, ref = torch.tensor([0.1, 0.2, 0.7]), torch.tensor([0.3, 0.3, 0.4])
-    expectation = (pi * grpo.kl_k3(pi.log(), ref.log())).sum()
+    expectation = (pi * grpo.kl_penalty(pi.log(), ref.log())).sum()
     assert expectation.item() == pytest.approx((pi * (pi / ref).log()).sum().item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("kind, direction", [("k3", "ref||pi"), ("k3_ratio", "pi||ref"), ("k2", "pi||ref")])
+def test_kl_gradient_monte_carlo(kind, direction):
+    """The mean gradient of each estimator over samples x ~ pi, against the exact gradient of the KL in the
+    direction its docstring names, on a categorical policy pi = softmax(theta)."""
+    torch.manual_seed(0)
+    theta = torch.tensor([0.5, -1.0, 1.2, 0.0, -0.3], requires_grad=True)
+    ref = torch.tensor([0.1, 0.4, 0.1, 0.3, 0.1])
+    pi = theta.softmax(0)
+    exact = {"pi||ref": (pi * (pi.log() - ref.log())).sum(), "ref||pi": (ref * (ref.log() - pi.log())).sum()}
+    want = {k: torch.autograd.grad(v, theta, retain_graph=True)[0] for k, v in exact.items()}
+    x = torch.multinomial(pi.detach(), 400_000, replacement=True)
+    logp = theta.log_softmax(0)[x]
+    got, = torch.autograd.grad(grpo.kl_penalty(logp, ref.log()[x], kind).mean(), theta)
+    other = "pi||ref" if direction == "ref||pi" else "ref||pi"
+    assert (want[direction] - want[other]).abs().max() > 0.2  # the two directions differ here
+    assert torch.allclose(got, want[direction], atol=0.02), (got, want)
 
 
 @pytest.mark.parametrize("length, want", [(10, 0.0), (80, 0.0), (90, -0.5), (95, -0.75), (100, -1.0), (150, -1.0)])
@@ -519,7 +588,7 @@ def stub_reward(schedule):
 
 def rollout(a, model, tok, fn, pool=None):
     stream = grpo.prompt_stream(grpo.arithmetic_task(100, 0), 0)
-    return grpo.rollout(model, tok, stream, [("stub", fn, 1.0)], pool, a)
+    return grpo.rollout(model, tok, stream, [("stub", fn, 1.0)], pool, a)[:2]
 
 
 def test_dynamic_sampling_refills_to_b_groups(loaded):
@@ -589,8 +658,9 @@ def test_each_preset_trains_two_steps_and_saves_a_loadable_adapter(tiny_dir, tmp
     out = str(tmp_path / "out")
     run(["--algo", algo, "--model", tiny_dir, "--max-steps", "2", "--output-dir", out, "--dtype", dtype] + TINY
         + answer_reward(tmp_path))
-    rows = metrics(out)
-    assert [r["step"] for r in rows] == [1, 2]
+    rows = metrics(out, with_step_0=True)
+    assert [r["step"] for r in rows] == [0, 1, 2] and list(rows[0]) == ["step", "eval/accuracy"]  # eval before training
+    rows = rows[1:]
     assert not [k for k in KEYS if k not in rows[-1]]
     assert rows[0]["grad/norm"] > 0 and rows[0]["policy/entropy"] > 0
     import peft
@@ -664,7 +734,7 @@ def test_skipping_the_reset_between_passes_double_counts_g_s(loaded):
     batch = grpo.collate(tiny.fixed_groups(tok, REWARDS[:1], a, teacher_per_group=2), tok.pad_token_id, "cpu")
     params = [p for p in model.parameters() if p.requires_grad]
     logp, _ = grpo.token_logps(model, batch["input_ids"], batch["attention_mask"], batch["mask"].shape[1])
-    loss = grpo.clipped_surrogate(logp, logp.detach(), batch["adv"][:, None], 0.2, 0.2)[0]
+    loss = grpo.policy_loss(logp, logp.detach(), batch["adv"][:, None], batch["mask"], a)[0]
     teacher = batch["is_teacher"][:, None].float()
     part = lambda w: grpo.aggregate_loss(loss, batch["mask"] * w, "token-mean", 6, 4, batch["mask"].sum())  # noqa
     full = torch.autograd.grad(part(1.0), params, retain_graph=True)

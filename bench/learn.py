@@ -67,7 +67,7 @@ def run(out, model_dir, data_path, steps, extra, seed=0):
            "--save-every", "0", "--seed", str(seed)] + extra
     subprocess.run(cmd, check=True, capture_output=True)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    return rows, time.time() - t0
+    return [r for r in rows if r["step"] > 0], time.time() - t0  # step 0: the evaluation before training
 
 
 CONTENDERS = {  # name -> grpo.py flags
