@@ -244,26 +244,27 @@ def check_args(a: Args):
 def describe_objective(a: Args) -> str:
     """The objective the resolved flags optimise, in one formula, for --dry-run."""
     clip = f"clip(r, 1-{a.eps_low:g}, 1+{a.eps_high:g})"
-    inner = f"min(r·A_i, {clip}·A_i)" + (f" - {a.beta:g}·KL_k3" if a.beta else "")
-    agg = {"token-mean": f"1/Σ|o_i| Σ_i Σ_t {inner}",
-           "seq-mean-token-mean": f"1/n_seq Σ_i 1/|o_i| Σ_t {inner}",
-           "seq-mean-token-sum": f"1/n_seq Σ_i Σ_t {inner}",
-           "seq-mean-token-sum-norm": f"1/(n_seq·{a.max_new_tokens}) Σ_i Σ_t {inner}"}[a.loss_agg]
-    adv = "A_i = (R_i - mean_g(R)) / (std_g(R) + eps)" if a.scale == "std" else "A_i = R_i - mean_g(R)"
-    adv += "  ·  std_g / max_g' std_g'" if a.soft_reweight else ""
-    reward = " + ".join(filter(None, [a.rewards.replace(",", " + "), a.reward_fn,
-                                      f"overlong(L_cache={a.overlong_buffer})" if a.overlong_penalty else ""]))
+    term = {"clip": f"min(r·A_i, {clip}·A_i)", "cispo": f"sg({clip})·A_i·log π_θ",
+            "sapo": f"4/τ·σ(τ(r-1))·A_i, τ = {a.sapo_tau_pos:g} if A_i > 0 else {a.sapo_tau_neg:g}"}[a.surrogate]
+    term = f"max({term}, {a.dual_clip:g}·A_i if A_i < 0)" if a.dual_clip else term
+    term += f" - {a.beta:g}·KL_{a.kl}" if a.beta else ""
+    n = {"token-mean": "Σ_i |o_i|", "seq-mean-token-mean": "n_seq |o_i|", "seq-mean-token-sum": "n_seq",
+         "seq-mean-token-sum-norm": f"n_seq·{a.max_new_tokens}"}[a.loss_agg]
+    adv = "(R_i - mean_g(R)) / (std_g(R) + eps)" if a.scale == "std" else "R_i - mean_g(R)"
+    reward = [a.rewards.replace(",", " + "), a.reward_fn, f"overlong(L_cache={a.overlong_buffer})"
+              if a.overlong_penalty else ""]
     filters = [f"dynamic sampling (≤{a.max_gen_rounds} rounds)" if a.dynamic_sampling else "",
                f"top-{a.top_k_groups} groups by std" if a.top_k_groups else "",
                "truncated completions masked" if a.mask_truncated else ""]
-    group = f"{a.num_generations} student" + (f" + {a.teacher_per_group} teacher (ratio 1 forced)"
-                                              if a.teacher_per_group else "")
-    return "\n".join([f"J(θ) = E_q [ {agg} ],  r = π_θ / π_old per token",
-                      f"  {adv}",
-                      f"  R = {reward}",
-                      f"  group: {group} completions of ≤ {a.max_new_tokens} tokens, "
-                      f"{a.prompts_per_step} groups a step",
-                      f"  filters: {', '.join(filter(None, filters)) or 'none'}"])
+    return "\n".join([
+        f"J(θ) = E_q [ Σ_i Σ_t ({term}) / ({n}) ],  r = " + ("s_i = exp(mean_t log π_θ/π_old)" if a.ratio == "sequence"
+                                                          else "π_θ/π_old per token"),
+        f"  A_i = {adv}" + ("  ·  std_g / max_g' std_g'" if a.soft_reweight else ""),
+        f"  R = {' + '.join(filter(None, reward))}",
+        f"  group: {a.num_generations} student" + (f" + {a.teacher_per_group} teacher (ratio 1 forced)"
+                                                   if a.teacher_per_group else "")
+        + f" completions of ≤ {a.max_new_tokens} tokens, {a.prompts_per_step} groups a step",
+        f"  filters: {', '.join(filter(None, filters)) or 'none'}"])
 
 
 # ----------------------------------------------------------------------------- distributed
@@ -1114,7 +1115,7 @@ def main(argv=None):
             t0 = time.time()
             groups, m, generated = rollout(model, tok, stream, reward_fns, pool, a, rank, world, teacher_rng)
             if step == start + 1 and rank == 0:  # a broken reward or chat template shows here, not an hour later
-                bar.write(sample_table(sample_rows(generated[:1], step)))
+                bar.write(sample_table(sample_rows(generated[:1], step)), sys.stderr)
             t1 = time.time()
             training = True
             if m["groups/kept"]:  # the same on every rank; 0 when dynamic sampling kept nothing by its cap
@@ -1143,7 +1144,7 @@ def main(argv=None):
                          "signal: check the reward on the table above (or --log-samples), or the task's difficulty")]:
                     if bad and key not in warned:  # once per run, each
                         warned.add(key)
-                        bar.write(f"grpo: warning: step {step}: {msg}")
+                        bar.write(f"grpo: warning: step {step}: {msg}", sys.stderr)
                 if wandb:
                     wandb.log(m, step=step)
                 bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{m.get('accuracy', 0):.2f}")

@@ -5,6 +5,7 @@ Three tiers: pure functions against hand-computed values; the tiny model in-proc
 log-probs, sampling); grpo.py run as a subprocess per preset and mode."""
 import copy
 from dataclasses import replace
+import itertools
 import json
 import math
 import os
@@ -218,6 +219,35 @@ def test_kl_gradient_monte_carlo(kind, direction):
     assert torch.allclose(got, want[direction], atol=0.02), (got, want)
 
 
+@pytest.mark.parametrize("n, c, k", [(5, 0, 1), (5, 2, 1), (5, 2, 2), (6, 3, 4), (8, 1, 8), (8, 7, 2), (4, 4, 3)])
+def test_pass_at_k_against_enumeration(n, c, k):
+    """The unbiased estimator equals the share of k-subsets of the n samples holding a correct one, and Chen et
+    al.'s numerically stable product form 1 - prod_{i=n-c+1}^{n} (1 - k / i)."""
+    samples = [1] * c + [0] * (n - c)
+    subsets = list(itertools.combinations(samples, k))
+    assert grpo.pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets))
+    assert grpo.pass_at_k(n, c, k) == pytest.approx(1 - math.prod(1 - k / i for i in range(n - c + 1, n + 1))
+                                                    if n - c >= k else 1.0)
+
+
+def test_evaluate_reports_greedy_mean_and_pass_at_k(loaded, monkeypatch):
+    """Prompts with known numbers of right samples (0, 1 and 3 of 4): mean@4, pass@2, pass@4 by hand."""
+    a, model, tok = loaded
+    a = replace(a, eval_samples=4)
+    right = {"p0": 0, "p1": 1, "p2": 3}  # right sampled answers per prompt; greedy is right on p2 only
+
+    def fake_generate(model, tok, texts, n, a, greedy=False):
+        prompts = [next(p for p in right if p in t) for t in texts]
+        answers = [("7" if greedy and p == "p2" else "0") if greedy else ("7" if i < right[p] else "0")
+                   for p in prompts for i in range(n)]
+        return None, [torch.tensor(tok(x, add_special_tokens=False).input_ids) for x in answers], None
+    monkeypatch.setattr(grpo, "generate", fake_generate)
+    got = grpo.evaluate(model, tok, [{"prompt": p, "answer": "7"} for p in right], a, 0, 1)
+    pass2 = (0 + (1 - 3 / 6) + 1) / 3  # C(3,2)/C(4,2) = 3/6 pairs miss the one right answer; 3 right: never
+    assert got == pytest.approx({"eval/accuracy": 1 / 3, "eval/mean@4": (0 + 1 + 3) / 12, "eval/pass@2": pass2,
+                                 "eval/pass@4": 2 / 3})
+
+
 @pytest.mark.parametrize("length, want", [(10, 0.0), (80, 0.0), (90, -0.5), (95, -0.75), (100, -1.0), (150, -1.0)])
 def test_overlong_penalty_dapo_eq13(length, want):
     assert R.overlong_penalty(length, max_len=100, buffer=20) == pytest.approx(want)
@@ -318,11 +348,18 @@ def test_impossible_flags_fail_with_a_sentence(argv, says):
 def test_dry_run_prints_the_objective(capsys):
     grpo.main(["--algo", "drgrpo", "--dry-run"])
     out = capsys.readouterr().out
-    assert "1/(n_seq·256) Σ_i Σ_t min(r·A_i, clip(r, 1-0.2, 1+0.2)·A_i)" in out
+    assert "Σ_i Σ_t (min(r·A_i, clip(r, 1-0.2, 1+0.2)·A_i)) / (n_seq·256)" in out
     assert "A_i = R_i - mean_g(R)" in out and "/ (std" not in out
     grpo.main(["--algo", "dapo", "--dry-run"])
     out = capsys.readouterr().out
-    assert "1/Σ|o_i|" in out and "1+0.28" in out and "dynamic sampling" in out and "overlong" in out
+    assert "/ (Σ_i |o_i|)" in out and "1+0.28" in out and "dynamic sampling" in out and "overlong" in out
+    grpo.main(["--algo", "grpo", "--dry-run", "--surrogate", "sapo", "--ratio", "sequence", "--kl", "k3_ratio"])
+    out = capsys.readouterr().out
+    assert "4/τ·σ(τ(r-1))·A_i, τ = 1 if A_i > 0 else 1.05" in out and "s_i = exp(mean_t log" in out
+    assert "- 0.04·KL_k3_ratio" in out
+    grpo.main(["--algo", "grpo", "--dry-run", "--dual-clip", "3", "--beta", "0"])
+    out = capsys.readouterr().out
+    assert "max(min(r·A_i, clip(r, 1-0.2, 1+0.2)·A_i), 3·A_i if A_i < 0)" in out and "KL" not in out
 
 
 # ----------------------------------------------------------------------------- bad input
@@ -669,6 +706,17 @@ def test_each_preset_trains_two_steps_and_saves_a_loadable_adapter(tiny_dir, tmp
     assert any(p.abs().sum() > 0 for n, p in model.named_parameters() if "lora_B" in n)  # trained, saved, loaded
     args = json.load(open(out + "/checkpoint/grpo_args.json"))
     assert args["algo"] == algo and args["step"] == 2
+
+
+@pytest.mark.parametrize("extra", [["--surrogate", "sapo", "--ratio", "sequence", "--num-iterations", "2"],
+                                   ["--surrogate", "cispo", "--kl", "k2", "--dtype", "bf16"],
+                                   ["--dual-clip", "3", "--kl", "k3_ratio", "--num-iterations", "2"]])
+def test_newer_losses_and_kl_terms_train(tiny_dir, tmp_path, extra):
+    out = str(tmp_path / "out")
+    run(["--algo", "grpo", "--model", tiny_dir, "--max-steps", "2", "--output-dir", out] + TINY + extra
+        + answer_reward(tmp_path))
+    rows = metrics(out)
+    assert len(rows) == 2 and all(r["grad/norm"] > 0 and math.isfinite(r["loss"]) and r["kl"] >= 0 for r in rows)
 
 
 @pytest.mark.parametrize("extra", [["--load-in-4bit"], ["--optim", "adamw_8bit"], ["--optim", "paged_adamw_8bit"],
@@ -1030,6 +1078,10 @@ def test_every_input_is_checked_before_anything_is_touched(tiny_dir, tmp_path, c
     ("--lora-dropout", "1", r"--lora-dropout must be in \[0, 1\)"), ("--learning-rate", "0", "--learning-rate"),
     ("--lora-r", "-1", "--lora-r must be >= 0"), ("--max-steps", "0", "--max-steps must be at least 1"),
     ("--save-every", "-1", "--save-every"), ("--eval-every", "-1", "--eval-every"),
+    ("--eval-samples", "-1", "--eval-samples must be >= 0"), ("--log-samples", "-1", "--log-samples must be >= 0"),
+    ("--surrogate", "ppo", "--surrogate 'ppo': use one of clip, cispo, sapo"), ("--kl", "k1", "--kl 'k1': use one of"),
+    ("--ratio", "seq", "--ratio 'seq': use one of token, sequence"), ("--sapo-tau-neg", "0", "--sapo-tau-neg"),
+    ("--dual-clip", "1", "--dual-clip c .* needs c > 1"),
 ])
 def test_out_of_range_flags_fail_with_their_name(flag, value, says):
     extra = ["--teacher-pool", "p.jsonl", "--teacher-per-group", "2"] if flag == "--num-generations" else []
@@ -1037,10 +1089,57 @@ def test_out_of_range_flags_fail_with_their_name(flag, value, says):
         grpo.parse_args([flag, value] + extra)
 
 
+def test_dual_clip_is_for_the_clipped_surrogate():
+    with pytest.raises(SystemExit, match="--dual-clip c .* and --surrogate clip"):
+        grpo.parse_args(["--dual-clip", "3", "--surrogate", "cispo"])
+
+
 def test_help_shows_each_preset_s_default(capsys):
     with pytest.raises(SystemExit):
         grpo.parse_args(["--help"])
     assert "[grpo 0.04, drgrpo 0.0, dapo 0.0, drgrpo_soft 0.0]" in " ".join(capsys.readouterr().out.split())
+
+
+def test_samples_log_table_and_sampled_eval(tiny_dir, tmp_path):
+    """--log-samples: every completion of K groups a step with its rewards and advantage (Dr. GRPO: R - mean of
+    the group, by hand); the first group printed before step 1; --eval-samples adds mean@k and pass@k at step 0
+    and at the last step, from a random stream of its own: the training rows are those of a run without it."""
+    def go(name, extra):
+        out = tmp_path / name
+        p = run(["--algo", "drgrpo", "--model", tiny_dir, "--max-steps", "2", "--output-dir", str(out)] + TINY + extra
+                + answer_reward(tmp_path))
+        return out, p.stderr
+    out, stderr = go("a", ["--log-samples", "1", "--eval-samples", "3", "--eval-every", "5"])
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1] * 4 + [2] * 4  # 1 group of G = 4 a step
+    for r in rows:
+        assert r["reward"] == pytest.approx(r["rewards"]["digits"] + r["rewards"]["correct"], abs=1e-6)
+        assert r["length"] <= 12 and (r["length"] == 12 or not r["truncated"]) and not r["teacher"]
+    for step in (1, 2):
+        group = [r for r in rows if r["step"] == step]
+        mean = sum(r["reward"] for r in group) / 4
+        assert [r["adv"] for r in group] == pytest.approx([r["reward"] - mean for r in group], abs=1e-6)
+    table = stderr[stderr.index("prompt: "):].splitlines()
+    assert table[1].split()[-3:] == ["correct", "digits", "total"] and len(table) >= 6
+    assert table[2].split()[-1] == f"{rows[0]['reward']:.3g}"
+    with_eval = metrics(out, with_step_0=True)
+    assert [r["step"] for r in with_eval if "eval/accuracy" in r] == [0, 2]  # before training, and the last step
+    for r in (with_eval[0], with_eval[-1]):
+        assert 0 <= r["eval/mean@3"] <= r["eval/pass@2"] <= r["eval/pass@3"] <= 1
+    plain, _ = go("b", ["--eval-every", "5"])
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time/", "eval/", "tokens_per"))}  # noqa
+                          for r in rows]
+    assert strip(metrics(out)) == strip(metrics(plain))
+
+
+def test_warns_once_on_cut_off_completions_and_equal_rewards(tiny_dir, tmp_path):
+    (tmp_path / "one.py").write_text("def one(c, a, **kw):\n    return 1.0\n")
+    p = run(["--model", tiny_dir, "--max-steps", "3", "--output-dir", str(tmp_path / "out"), "--reward-fn",
+             f"{tmp_path}/one.py:one"] + TINY + ["--max-new-tokens", "2"])
+    warnings = [line for line in p.stderr.splitlines() if line.startswith("grpo: warning")]
+    assert len(warnings) == 2, p.stderr[-2000:]
+    assert "step 1: more than half the completions hit --max-new-tokens 2" in warnings[0]
+    assert "step 1: every group had equal rewards" in warnings[1]
 
 
 def test_a_step_that_trains_nothing_logs_no_entropy(loaded):
