@@ -373,7 +373,7 @@ def load_data(a: Args) -> tuple[list[dict], list[dict]]:
         split = {s: [{"prompt": r["question"], "answer": R.reference_answer(r["answer"])} for r in ds[s]]
                  for s in ("train", "test")}
         return split["train"], split["test"][: a.eval_prompts]
-    graded = any(name.partition(":")[0] in ("correct", "correct_pm1") for name in a.rewards.split(","))
+    graded = any(name.partition(":")[0] in ("correct", "correct_pm1", "math_verify") for name in a.rewards.split(","))
     train = load_examples(a.dataset, graded)
     return train, load_examples(a.eval_dataset, graded)[: a.eval_prompts] if a.eval_dataset else []
 

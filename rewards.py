@@ -14,25 +14,39 @@ import re
 from fractions import Fraction
 
 MAX_DIGITS = 40  # longer numbers are not answers; also keeps Fraction() cheap
+MAX_ANSWER = 300  # characters: an answer span longer than this is not one answer
 
 # ------------------------------------------------------------------------------ extraction
-_NUM = re.compile(r"[-+]?(?:\d[\d,]*(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?")
-_FRAC = re.compile(r"\\d?frac\{([^{}]{1,50})\}\{([^{}]{1,50})\}")
+# A number as written: 1,234,567 | 1234 | 12.5 | .5 (thousands commas only in groups of three)
+_N = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+"
+_ANY_NUMBER = re.compile(rf"[-+]?(?:{_N})(?:\s*/\s*\d+)?")
+# A whole answer that is one number: sign, currency, an optional whole part of a mixed number, a/b,
+# then %, or a unit (a word of 2+ letters, or any word after a space, maybe ^2: '12cm', '5 m^2', not '4a')
+_NUMBER_ANSWER = re.compile(rf"(?P<sign>[-+]?)\s*(?:[$€£¥₹]\s*)?(?:(?P<whole>\d+)\s+(?=\d+\s*/))?(?P<num>{_N})"
+                            rf"(?:\s*/\s*(?P<den>{_N}))?\s*(?:%|(?:[a-zA-Z]{{2,}}|\s[a-zA-Z])(?:[a-zA-Z\s./]|\^\{{?\d\}}?)*)?")
+_LATEX_FRAC = re.compile(r"\\[dt]?frac\s*(?:\{\s*([^{}]{1,50}?)\s*\}|(\d))\s*(?:\{\s*([^{}]{1,50}?)\s*\}|(\d))")
+_TEXT_CMD = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|mbox|operatorname)\s*\{([^{}]{0,100})\}")
 _HASHES = re.compile(r"####\s*([^\n]{1,200})")
-_THE_ANSWER = re.compile(r"answer is\s*:?\s*([^\n]{1,200})", re.I)
-_A_COLON = re.compile(r"(?:^|\n)[ \t]*A[ \t]*:[ \t]*([^\n]{1,200})")
+_PHRASE = re.compile(r"(?:answer\s*(?:is|:|=)|(?:^|\n)[ \t]*A[ \t]*:)[ \t:]*([^\n]{1,300})", re.I)
+_NEXT_QUESTION = re.compile(r"\n[ \t]*(?:Q|Question|Problem|Human|User)[ \t]*:", re.I)
+_SENTENCE_END = re.compile(r"\.(?=\s|$)|\s\((?!\d)|,\s+(?:so|which|because|since|and)\b")
+_CHOICE = re.compile(r"\(?([A-Ea-e])\)?(?:[.:)]|\s|$)")
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...}, braces matched by a linear scan."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 1, start + len("\\boxed{")
-    for j in range(i, min(len(text), i + 1000)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i:j]
+    """Content of the last closed \\boxed{...} (or \\fbox{}), braces matched by a linear scan."""
+    end = len(text)
+    for _ in range(3):  # an unclosed last box (a cut-off completion): try the one before, a few times at most
+        start = max(text.rfind("\\boxed{", 0, end), text.rfind("\\fbox{", 0, end))
+        if start < 0:
+            return None
+        i = text.index("{", start) + 1
+        depth = 1
+        for j in range(i, min(len(text), i + 1000)):
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            if depth == 0:
+                return text[i:j]
+        end = start
     return None
 
 
@@ -43,40 +57,97 @@ def last_answer_tag(text: str) -> str | None:
     return text[start + len("<answer>"):end] if 0 <= start < end else None
 
 
-def extract_answer(text: str) -> str | None:
-    """The final answer's text, by the first rule that matches:
-    \\boxed{}, <answer>...</answer>, '#### N', 'the answer is N', 'A: N', else the last number."""
-    found = last_boxed(text)
-    found = last_answer_tag(text) if found is None else found
-    for pattern in (_HASHES, _THE_ANSWER, _A_COLON):
+def final_answer(text: str) -> tuple[str | None, bool]:
+    """The answer the completion gives last and means as final, and whether a marker said so. In order:
+    the last <answer> tag, the last \\boxed{}, the last '#### N', the last 'answer is ...' / 'A: ...'
+    (up to the end of its sentence), each looked for first after the thinking (</think>) and in text cut
+    before a new question the model went on to write; else (no marker) the last number."""
+    think = text.rfind("</think>")
+    parts = [text[think + len("</think>"):], text] if think >= 0 else [text]
+    for part in parts:
+        next_q = _NEXT_QUESTION.search(part)
+        if next_q and (_PHRASE.search(part, 0, next_q.start()) or "\\boxed" in part[:next_q.start()]):
+            part = part[:next_q.start()]
+        found = last_answer_tag(part)
+        found = last_boxed(part) if found is None else found
+        if found is None:
+            m = _HASHES.findall(part)
+            found = m[-1] if m else None
         if found is not None:
-            break
-        matches = pattern.findall(text)
-        found = matches[-1] if matches else None
-    if found is not None:
-        return found
+            return found, True
+        phrases = [m.group(1) for m in _PHRASE.finditer(part)]
+        if phrases:  # the sentence after the last phrase, not the reasoning that follows it
+            span = phrases[-1]
+            cut = _SENTENCE_END.search(span, 1)
+            return span[:cut.start()] if cut else span, True
     last = None
-    for last in _NUM.finditer(text):
+    for last in _ANY_NUMBER.finditer(text):
         pass
-    return last.group(0) if last else None
+    return (last.group(0) if last else None), False
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer's text (see final_answer)."""
+    return final_answer(text)[0]
+
+
+def clean(answer: str) -> str:
+    """An answer's text without LaTeX dressing: $, \\( \\), \\left/\\right, spacing commands, \\text{...}
+    kept as its words, {,} and \\, thousands separators, degrees, markdown bold; \\frac{a}{b} as a/b (a
+    mixed number 12\\frac{3}{5} as '12 3/5'); the right-hand side of an a = b chain; no trailing period."""
+    s = answer[:MAX_ANSWER]
+    s = _TEXT_CMD.sub(lambda m: " " + m.group(1) + " ", s)
+    for old, new in (("{,}", ","), ("\\,", ""), ("\\!", ""), ("\\;", " "), ("\\:", " "), ("\\ ", " "),
+                     ("\\quad", " "), ("\\left", ""), ("\\right", ""), ("\\displaystyle", ""), ("\\$", "$"),
+                     ("\\%", "%"), ("^\\circ", ""), ("^{\\circ}", ""), ("°", ""), ("\\(", ""), ("\\)", ""),
+                     ("\\[", ""), ("\\]", ""), ("**", ""), ("−", "-"), ("\\cdot", "*"), ("\\times", "*")):
+        s = s.replace(old, new)
+    s = s.strip().strip("$").strip()
+    if s.count("$") == 2 and s.startswith("$"):
+        s = s.replace("$", "")  # '$5$ dollars'
+    s = _LATEX_FRAC.sub(lambda m: " {}/{}".format(*(_atom(m.group(i) or m.group(i + 1)) for i in (1, 3))), s)
+    if "=" in s and not re.search(r"[<>]=|\\[lg]eq?", s):
+        s = s.rsplit("=", 1)[1]  # '35+28+14 = 77', '9 \times 2 = 18', 'x = 5': the right-hand side
+    return s.strip().rstrip(".").strip()
+
+
+def _atom(x: str) -> str:
+    """A \\frac part as written in a/b: bare if one token, else in parentheses."""
+    x = x.strip()
+    return x if re.fullmatch(r"-?(?:\w+|\\[a-zA-Z]+)", x) else f"({x})"
 
 
 def to_number(text: str | None) -> Fraction | None:
-    """The first number in an answer's text, exactly, or None.
-    Normalises commas, $, %, units and words around it, trailing '.0', a/b and \\frac{a}{b}."""
+    """The number that a whole answer's text is, exactly, or None if it is not one number ('4a-3', '(2, 3)').
+    Currency, %, units after it, thousands separators, a/b, \\frac and mixed numbers are understood."""
     if text is None:
         return None
-    text = _FRAC.sub(r"\1/\2", text[:1000]).replace("\\$", "").replace("$", "")
-    m = _NUM.search(text)
-    if m is None:
+    s = clean(text)
+    s = s[1:-1] if s[:1] == "(" and s[-1:] == ")" and "," not in s else s  # '(42)', not the pair '(2, 3)'
+    m = _NUMBER_ANSWER.fullmatch(s)
+    if m is None or sum(c.isdigit() for c in m.group(0)) > MAX_DIGITS:
         return None
-    num = m.group(0).replace(",", "").replace(" ", "")
-    if sum(c.isdigit() for c in num) > MAX_DIGITS:
+    try:  # exact: '0.75' == '3/4', '18.0' == '18'
+        value = Fraction(m["num"].replace(",", "")) / Fraction(m["den"].replace(",", "") if m["den"] else 1)
+    except ZeroDivisionError:
         return None
-    try:
-        return Fraction(num)  # exact: '0.75' == '3/4', '18.0' == '18'
-    except (ValueError, ZeroDivisionError):
-        return None
+    value += int(m["whole"] or 0)
+    return -value if m["sign"] == "-" else value
+
+
+def first_number(text: str) -> Fraction | None:
+    """The first number in a text: how a phrase like 'the answer is 5 apples and 3 pears' is read."""
+    m = _ANY_NUMBER.search(clean(text))
+    return to_number(m.group(0)) if m else None
+
+
+def normalise(text: str) -> str:
+    """A non-numeric answer for string comparison: clean, no spaces, x^{2} as x^2, \\sqrt3 as \\sqrt{3}, a
+    choice '(A)' as 'A'."""
+    s = re.sub(r"\s+", "", clean(text))
+    s = re.sub(r"\\sqrt(\w)", r"\\sqrt{\1}", re.sub(r"([_^])\{(\w)\}", r"\1\2", s))  # x^{2} = x^2, \sqrt3
+    choice = _CHOICE.fullmatch(s)
+    return choice.group(1).upper() if choice else s
 
 
 def reference_answer(answer: str) -> str:
@@ -87,7 +158,27 @@ def reference_answer(answer: str) -> str:
 
 # ------------------------------------------------------------------------------ rewards
 def is_correct(completion: str, answer: str) -> bool:
-    pred, ref = to_number(extract_answer(completion)), to_number(answer)
+    """The completion's final answer (final_answer) against the reference: as exact numbers when the
+    reference is one number, else as normalised strings (a multiple-choice letter: the answer's leading
+    letter). A marked answer with no number falls back to the last number only when no marker is numeric."""
+    ref = to_number(answer)
+    found, marked = final_answer(completion)
+    if found is None:
+        return False
+    if ref is None:
+        want, got = normalise(answer), normalise(found)
+        if len(want) == 1 and want.isalpha():  # multiple choice: '(B) 12', 'B.', '\text{(B)}'
+            m = _CHOICE.match(re.sub(r"\s+", " ", clean(found)).strip())
+            return bool(m) and m.group(1).upper() == want
+        return bool(want) and got == want
+    pred = to_number(found)
+    if pred is None and marked and not last_answer_tag(completion) and last_boxed(completion) is None:
+        pred = first_number(found)  # a phrase or '#### N' with words around the number
+    if pred is None and marked and not _ANY_NUMBER.search(found) and last_boxed(completion) is None:
+        last = None  # 'the answer is not possible ... so the total is 5.': a phrase with no number is no answer
+        for last in _ANY_NUMBER.finditer(completion):
+            pass
+        pred = to_number(last.group(0)) if last else None
     return pred is not None and pred == ref
 
 
@@ -109,7 +200,21 @@ def r1_format(completion: str, answer: str, **kw) -> float:
     return 1.0 if ok else 0.0
 
 
-REWARDS = {"correct": correct, "correct_pm1": correct_pm1, "format": r1_format}
+def math_verify(completion: str, answer: str, **kw) -> float:
+    """Optional (pip install math-verify): Hugging Face's checker, the one TRL's accuracy reward uses, on
+    the final answer found as above: both sides parsed to sympy and compared (equivalent expressions,
+    sets, intervals). Slower; its timeouts use SIGALRM, so call it from the main thread (grpo.py does)."""
+    try:
+        from math_verify import parse, verify
+    except ImportError:
+        raise ImportError("--rewards math_verify needs `pip install math-verify`") from None
+    found, _ = final_answer(completion)
+    if found is None or len(found) > MAX_ANSWER:
+        return 0.0
+    return 1.0 if verify(parse(f"${answer}$"), parse(f"${found}$")) else 0.0
+
+
+REWARDS = {"correct": correct, "correct_pm1": correct_pm1, "format": r1_format, "math_verify": math_verify}
 
 
 def overlong_penalty(length: int, max_len: int, buffer: int) -> float:

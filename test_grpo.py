@@ -290,6 +290,161 @@ def test_correct_reward_formats(text, answer):
     assert R.correct(text, "99999") == 0.0 and R.correct_pm1(text, "99999") == -1.0
 
 
+# (completion, reference, intended grade): how models write final answers, each class right and wrong
+ANSWER_STYLES = [
+    # GSM8K style
+    ("Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips altogether.\n#### 72", "72", True),
+    ("Natalia sold 48+24 = 72 clips.\n#### 71", "72", False),
+    ("She makes 9 * 2 = $18 every day.\nA: 18", "18", True),
+    ("She makes 13 * 2 = $26 every day.\nA: 26", "18", False),
+    ("He ran 3*3=<<3*3=9>>9 sprints, so 9*60=<<9*60=540>>540 meters.\nA: 540", "540", True),
+    ("The answer is 1,234.", "1234", True),
+    ("The answer is 1,234.", "1,234", True),
+    ("The answer is 1234.", "1,235", False),
+    ("I think the answer is $18.00.", "18", True),
+    ("The answer is: -3", "-3", True),
+    ("The answer is: 3", "-3", False),
+    ("first 3, then 4, finally 12", "12", True),
+    ("first 12, then 4, finally 3", "12", False),
+    ("So she has 5 apples left. The answer is 5 apples.", "5", True),
+    ("The final answer is 70,000 dollars.", "70000", True),
+    ("The final answer is $70,000.", "70000", True),
+    ("The final answer is $69,000.", "70000", False),
+    ("Therefore, the answer is 25%.", "25", True),
+    ("#### 7 apples", "7", True),
+    ("answer: 7.0", "7", True),
+    ("answer: 7.5", "7", False),
+    ("The answer is 0.5", "1/2", True),
+    ("The answer is .5", "0.5", True),
+    # \boxed, \frac, \dfrac, percentages, units, currency
+    ("so the total is \\boxed{42}.", "42", True),
+    ("so the total is \\boxed{41}.", "42", False),
+    ("\\boxed{\\frac{3}{4}}", "0.75", True),
+    ("\\boxed{\\frac34}", "3/4", True),
+    ("\\boxed{\\dfrac{10}{4}}", "2.5", True),
+    ("\\boxed{\\tfrac{1}{3}}", "0.33", False),
+    ("\\boxed{1,000}", "1000", True),
+    ("\\boxed{\\$1,250}", "1250", True),
+    ("\\boxed{\\$1,250.50}", "1250", False),
+    ("\\boxed{25\\%}", "25", True),
+    ("\\boxed{3/6}", "1/2", True),
+    ("\\boxed{12 \\text{ cm}}", "12", True),
+    ("\\boxed{12\\text{cm}^2}", "12", True),
+    ("\\boxed{90^\\circ}", "90", True),
+    ("\\boxed{-\\frac{1}{2}}", "-0.5", True),
+    ("\\boxed{\\frac{1}{2}}", "-0.5", False),
+    ("$\\boxed{5}$ dollars", "5", True),
+    ("\\boxed{\\text{5 dollars}}", "5", True),
+    ("\\boxed{1/0}", "0", False),
+    # mixed numbers
+    ("\\boxed{12 \\frac{3}{5}}", "12\\frac{3}{5}", True),
+    ("\\boxed{\\frac{63}{5}}", "12\\frac{3}{5}", True),
+    ("\\boxed{12.6}", "12\\frac{3}{5}", True),
+    ("\\boxed{\\frac{123}{5}}", "12\\frac{3}{5}", False),
+    ("\\boxed{12}", "12\\frac{3}{5}", False),
+    ("\\boxed{1\\frac{1}{4}}", "1.25", True),
+    ("\\boxed{1\\frac{1}{4}}", "5/4", True),
+    ("\\boxed{1\\frac{1}{4}}", "11/4", False),
+    ("The answer is 2 1/2 cups.", "2.5", True),
+    ("\\boxed{-1\\frac{1}{2}}", "-1.5", True),
+    # LaTeX thousands separators and spacing
+    ("\\boxed{10{,}000}", "10000", True),
+    ("\\boxed{10{,}000}", "10", False),
+    ("\\boxed{1\\,450\\,000}", "1450000", True),
+    ("\\boxed{1\\,450\\,000}", "1450", False),
+    ("\\boxed{1,450,000}", "1450000", True),
+    ("The answer is $1\\,000$.", "1000", True),
+    ("\\boxed{ 42 }", "42", True),
+    ("\\boxed{\\left( 42 \\right)}", "42", True),
+    # non-numeric references (MATH style)
+    ("\\boxed{A}", "A", True),
+    ("\\boxed{B}", "A", False),
+    ("\\boxed{(2, 3)}", "(2, 3)", True),
+    ("\\boxed{(2,3)}", "(2, 3)", True),
+    ("\\boxed{(3, 2)}", "(2, 3)", False),
+    ("\\boxed{x^2 + 1}", "x^2+1", True),
+    ("\\boxed{x^2 + 2}", "x^2+1", False),
+    ("\\boxed{\\frac{\\pi}{2}}", "\\pi/2", True),
+    ("\\boxed{\\dfrac{\\pi}{2}}", "\\frac{\\pi}{2}", True),
+    ("\\boxed{\\frac{\\pi}{3}}", "\\frac{\\pi}{2}", False),
+    ("\\boxed{[0, 1)}", "[0, 1)", True),
+    ("\\boxed{[0, 1]}", "[0, 1)", False),
+    ("\\boxed{\\left[0, 1\\right)}", "[0,1)", True),
+    ("\\boxed{\\text{Tuesday}}", "\\text{Tuesday}", True),
+    ("\\boxed{\\text{Monday}}", "\\text{Tuesday}", False),
+    ("The answer is $2\\sqrt{3}$.", "2\\sqrt{3}", True),
+    ("The answer is $3\\sqrt{2}$.", "2\\sqrt{3}", False),
+    ("\\boxed{3\\sqrt{2}}", "3", False),
+    ("\\boxed{x = 5}", "5", True),
+    ("\\boxed{y=2x+3}", "2x+3", True),
+    # multiple choice
+    ("The correct option is (B).\n\\boxed{B}", "B", True),
+    ("\\boxed{(B)}", "B", True),
+    ("\\boxed{B}", "(B)", True),
+    ("The answer is (C) 12.", "C", True),
+    ("The answer is (C) 12.", "B", False),
+    ("Answer: D", "D", True),
+    ("Answer: D", "A", False),
+    ("\\boxed{\\text{(E)}}", "E", True),
+    ("The answer is B.", "B", True),
+    # the first number is not the answer
+    ("\\boxed{4a-3}", "4a-2", False),
+    ("\\boxed{4a-2}", "4a-2", True),
+    ("\\boxed{4a-3}", "4", False),
+    ("\\boxed{9 \\times 2 = 18}", "18", True),
+    ("\\boxed{9 \\times 2 = 18}", "9", False),
+    ("So the answer is 35+28+14=77 sandwiches.", "77", True),
+    ("So the answer is 35+28+14=77 sandwiches.", "35", False),
+    ("The answer is 3 + 4 = 7.", "7", True),
+    ("\\boxed{2^{10}}", "2", False),
+    ("\\boxed{5x}", "5", False),
+    # text after the answer
+    ("The answer is 80.\n\nQ: Tom has 4 boxes of 10 pencils. How many pencils?\nA: 40 pencils", "80", True),
+    ("The answer is 80.\n\nQ: Tom has 4 boxes of 10 pencils. How many pencils?\nA: 40 pencils", "40", False),
+    ("The book is 188 pages long, so the answer is 188. Each page is 50 mm thick.", "188", True),
+    ("The book is 188 pages long, so the answer is 188. Each page is 50 mm thick.", "50", False),
+    ("At first I thought the answer is not possible. But 2 + 3 = 5, so the total is 5.", "5", True),
+    ("At first I thought the answer is not possible. But 2 + 3 = 5, so the total is 5.", "2", False),
+    ("The answer is 12, which is 3 more than 9.", "12", True),
+    ("The answer is 12, which is 3 more than 9.", "9", False),
+    ("The answer is 6 (3 from each bag).", "6", True),
+    # tags
+    ("<think>maybe \\boxed{7}</think><answer>9</answer>", "9", True),
+    ("<think>maybe \\boxed{7}</think><answer>9</answer>", "7", False),
+    ("<think>5+5</think><answer>10</answer>", "10", True),
+    ("<think>the answer is 3? no, 4</think>\nSo the final answer is \\boxed{4}.", "4", True),
+    ("<think>the answer is 3? no, 4</think>\nSo the final answer is \\boxed{4}.", "3", False),
+    ("<think>\\boxed{12}</think> It is 13.", "13", False),
+    ("<think>\\boxed{12}</think> The answer is 13.", "13", True),
+    ("<answer>(2, 3)</answer>", "(2,3)", True),
+    # nothing to grade
+    ("no number at all", "42", False),
+    ("\\boxed{}", "42", False),
+    ("", "42", False),
+    ("the answer is 42 but \\boxed{41}", "42", False),
+    ("\\boxed{41} but the answer is 42", "41", True),
+]
+
+
+@pytest.mark.parametrize("completion, reference, right", ANSWER_STYLES, ids=lambda x: repr(x)[:40] if isinstance(x, str) else str(x))
+def test_correct_grades_each_answer_style(completion, reference, right):
+    assert R.correct(completion, reference) == float(right)
+    assert R.correct_pm1(completion, reference) == (1.0 if right else -1.0)
+
+
+def test_math_verify_missing_is_a_clear_error(monkeypatch):
+    monkeypatch.setitem(sys.modules, "math_verify", None)  # as if not installed
+    with pytest.raises(ImportError, match="pip install math-verify"):
+        R.math_verify("\\boxed{1}", "1")
+
+
+def test_math_verify_grades_the_final_answer():
+    pytest.importorskip("math_verify")
+    assert R.math_verify("<think>\\boxed{7}</think> so \\boxed{\\frac{1}{2}}", "0.5") == 1.0
+    assert R.math_verify("\\boxed{\\sqrt{8}}", "2\\sqrt{2}") == 1.0  # equivalent forms: beyond `correct`
+    assert R.math_verify("\\boxed{4a-3}", "4a-2") == 0.0
+
+
 def test_correct_reward_wrong_and_missing():
     assert R.correct("\\boxed{41}", "42") == 0.0
     assert R.correct("no number at all", "42") == 0.0
@@ -312,10 +467,13 @@ def test_format_reward():
     "9" * 1_000_000, "\\boxed{" + "9" * 100_000 + "}", "1e999999", "{" * 200_000 + "\\boxed{" * 1000,
     "\n" * 500_000 + "A", "<answer>" * 100_000, "__import__('os').system('echo pwned') \\boxed{__import__('os')}",
     "\\boxed{2**10**10}", "#" * 300_000, "</think>" * 100_000 + "<answer>", "٣٤ ½ ∞ \\boxed{\u0663}", "1/0",
+    "\\boxed{" * 10_000, "\\boxed{" + "{" * 100_000 + "}" * 100_000, "\\boxed{9^{9^{9^{9^{9}}}}}",
+    "the answer is " + "9" * 1_000_000, "answer is" + " " * 1_000_000 + "5", "\n\n" * 300_000 + "Q:",
+    "\\frac{" * 50_000 + "1}{2}", ("12,345" * 100_000)[:300_000], "\\boxed{1}" + "\\text{" * 100_000,
 ], ids=lambda t: repr(t[:12]) + f"x{len(t)}")
 def test_adversarial_text_is_finite_and_fast(text):
     t0 = time.time()
-    for fn in R.REWARDS.values():
+    for fn in (R.correct, R.correct_pm1, R.r1_format):  # math_verify: see README (its own 5 s timeouts)
         assert math.isfinite(fn(text, "42"))
     assert time.time() - t0 < 1.0
 
