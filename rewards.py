@@ -7,8 +7,9 @@ A reward is `fn(completion: str, answer: str, **kw) -> float`: the completion te
 pass `--reward-fn my_file.py:my_fn` without touching this file.
 
 Model text is never eval'd or exec'd. Every regex here is linear-time and
-every number is capped in length, so adversarial text (megabytes of digits,
-nested braces, unicode) returns a finite float quickly.
+every answer and number is capped in length, so adversarial text (megabytes of
+digits, nested braces, unicode) returns a finite float quickly. The standard
+library only; `math_verify` (optional) imports its package when first called.
 """
 import re
 from fractions import Fraction
@@ -84,11 +85,6 @@ def final_answer(text: str) -> tuple[str | None, bool]:
     for last in _ANY_NUMBER.finditer(text):
         pass
     return (last.group(0) if last else None), False
-
-
-def extract_answer(text: str) -> str | None:
-    """The final answer's text (see final_answer)."""
-    return final_answer(text)[0]
 
 
 def clean(answer: str) -> str:

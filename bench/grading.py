@@ -11,6 +11,7 @@ MATH: real MATH-style answers (fractions, radicals, pi, intervals, tuples, expre
 choices), each right in several equivalent writings and wrong in near misses; labelled by construction.
 The baseline is rewards.py before issue 11 (bench/baseline_rewards.py).
 """
+import importlib.util
 import json
 import os
 import re
@@ -100,11 +101,8 @@ def rates(grades, labels):
 
 def main():
     graders = {"before (8a07fed)": baseline_rewards.is_correct, "correct (now)": rewards.is_correct}
-    try:
-        import math_verify  # noqa: F401
+    if importlib.util.find_spec("math_verify"):
         graders["math_verify"] = lambda c, a: rewards.math_verify(c, a) == 1.0
-    except ImportError:
-        pass
     all_cases = list(cases())
     grades, seconds = {}, {}
     for name, fn in graders.items():
