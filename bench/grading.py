@@ -9,20 +9,29 @@ Each solution's final 'A: N' line is rewritten the ways models write a final ans
 answer is', ####, R1 tags, LaTeX separators, a new question after the answer, ...); the label stays.
 MATH: real MATH-style answers (fractions, radicals, pi, intervals, tuples, expressions, mixed numbers,
 choices), each right in several equivalent writings and wrong in near misses; labelled by construction.
-The baseline is rewards.py before issue 11 (bench/baseline_rewards.py).
+The baseline is rewards.py before issue 11, read from git history (commit 8a07fed).
 """
 import importlib.util
 import json
 import os
 import re
+import subprocess
 import sys
 import time
+import types
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import baseline_rewards  # noqa: E402
 import rewards  # noqa: E402
+
+
+def baseline():
+    """rewards.py as it was before issue 11 (commit 8a07fed), from this clone's git history."""
+    src = subprocess.run(["git", "-C", ROOT, "show", "8a07fed:rewards.py"], capture_output=True, text=True,
+                         check=True).stdout
+    module = types.ModuleType("rewards_8a07fed")
+    exec(compile(src, "rewards.py@8a07fed", "exec"), module.__dict__)  # our own earlier source, not model text
+    return module
 
 
 def latex_thousands(x: str) -> str:
@@ -100,7 +109,7 @@ def rates(grades, labels):
 
 
 def main():
-    graders = {"before (8a07fed)": baseline_rewards.is_correct, "correct (now)": rewards.is_correct}
+    graders = {"before (8a07fed)": baseline().is_correct, "correct (now)": rewards.is_correct}
     if importlib.util.find_spec("math_verify"):
         graders["math_verify"] = lambda c, a: rewards.math_verify(c, a) == 1.0
     all_cases = list(cases())
