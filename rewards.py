@@ -58,33 +58,35 @@ def last_answer_tag(text: str) -> str | None:
     return text[start + len("<answer>"):end] if 0 <= start < end else None
 
 
-def final_answer(text: str) -> tuple[str | None, bool]:
-    """The answer the completion gives last and means as final, and whether a marker said so. In order:
-    the last <answer> tag, the last \\boxed{}, the last '#### N', the last 'answer is ...' / 'A: ...'
-    (up to the end of its sentence), each looked for first after the thinking (</think>) and in text cut
-    before a new question the model went on to write; else (no marker) the last number."""
+def final_answer(text: str) -> tuple[str | None, str]:
+    """The answer the completion gives last and means as final, and where it was found. In order:
+    the last <answer> tag ("tag"), the last \\boxed{} ("boxed"), the last '#### N' ("hashes"), the last
+    'answer is ...' / 'A: ...' up to the end of its sentence ("phrase"), each looked for first after the
+    thinking (</think>) and in text cut before a new question the model went on to write; else the last
+    number ("last")."""
     think = text.rfind("</think>")
     parts = [text[think + len("</think>"):], text] if think >= 0 else [text]
     for part in parts:
         next_q = _NEXT_QUESTION.search(part)
         if next_q and (_PHRASE.search(part, 0, next_q.start()) or "\\boxed" in part[:next_q.start()]):
             part = part[:next_q.start()]
-        found = last_answer_tag(part)
-        found = last_boxed(part) if found is None else found
-        if found is None:
-            m = _HASHES.findall(part)
-            found = m[-1] if m else None
-        if found is not None:
-            return found, True
+        hashes = _HASHES.findall(part)
+        for kind, found in (("tag", last_answer_tag(part)), ("boxed", last_boxed(part)),
+                            ("hashes", hashes[-1] if hashes else None)):
+            if found is not None:
+                return found, kind
         phrases = [m.group(1) for m in _PHRASE.finditer(part)]
         if phrases:  # the sentence after the last phrase, not the reasoning that follows it
-            span = phrases[-1]
-            cut = _SENTENCE_END.search(span, 1)
-            return span[:cut.start()] if cut else span, True
+            cut = _SENTENCE_END.search(phrases[-1], 1)
+            return (phrases[-1][:cut.start()] if cut else phrases[-1]), "phrase"
+    return last_number(text), "last"
+
+
+def last_number(text: str) -> str | None:
     last = None
     for last in _ANY_NUMBER.finditer(text):
         pass
-    return (last.group(0) if last else None), False
+    return last.group(0) if last else None
 
 
 def clean(answer: str) -> str:
@@ -156,25 +158,21 @@ def reference_answer(answer: str) -> str:
 def is_correct(completion: str, answer: str) -> bool:
     """The completion's final answer (final_answer) against the reference: as exact numbers when the
     reference is one number, else as normalised strings (a multiple-choice letter: the answer's leading
-    letter). A marked answer with no number falls back to the last number only when no marker is numeric."""
+    letter). A boxed or tagged answer is taken whole; a phrase or '#### N' may have words around its
+    number, and a phrase with no number ('the answer is not possible') is no answer: the last number is."""
     ref = to_number(answer)
-    found, marked = final_answer(completion)
+    found, kind = final_answer(completion)
     if found is None:
         return False
     if ref is None:
         want, got = normalise(answer), normalise(found)
-        if len(want) == 1 and want.isalpha():  # multiple choice: '(B) 12', 'B.', '\text{(B)}'
+        if len(want) == 1 and want.isalpha():  # multiple choice: '(B) 12', 'B.', '\\text{(B)}'
             m = _CHOICE.match(re.sub(r"\s+", " ", clean(found)).strip())
             return bool(m) and m.group(1).upper() == want
         return bool(want) and got == want
     pred = to_number(found)
-    if pred is None and marked and not last_answer_tag(completion) and last_boxed(completion) is None:
-        pred = first_number(found)  # a phrase or '#### N' with words around the number
-    if pred is None and marked and not _ANY_NUMBER.search(found) and last_boxed(completion) is None:
-        last = None  # 'the answer is not possible ... so the total is 5.': a phrase with no number is no answer
-        for last in _ANY_NUMBER.finditer(completion):
-            pass
-        pred = to_number(last.group(0)) if last else None
+    if pred is None and kind in ("hashes", "phrase"):
+        pred = first_number(found) if _ANY_NUMBER.search(found) else to_number(last_number(completion))
     return pred is not None and pred == ref
 
 

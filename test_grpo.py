@@ -417,6 +417,7 @@ ANSWER_STYLES = [
     ("<think>\\boxed{12}</think> It is 13.", "13", False),
     ("<think>\\boxed{12}</think> The answer is 13.", "13", True),
     ("<answer>(2, 3)</answer>", "(2,3)", True),
+    ("<think>\\boxed{7}?</think> The answer is 12 apples and 3 pears.", "12", True),  # the box in thinking is no answer
     # nothing to grade
     ("no number at all", "42", False),
     ("\\boxed{}", "42", False),
