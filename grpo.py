@@ -72,8 +72,12 @@ def fail(msg: str):
 
 
 # ----------------------------------------------------------------------------- flags
-def flag(default, help):
-    return field(default=default, metadata={"help": help})
+def flag(default, help, choices=(), low=None):
+    """A field of Args: its default, its help, and what check_args allows (one of choices; at least low)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "low": low})
+
+
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 @dataclass
@@ -81,76 +85,75 @@ class Args:
     # run
     algo: str = flag("grpo", "preset: grpo | drgrpo | dapo | drgrpo_soft (sets defaults; explicit flags win)")
     model: str = flag("Qwen/Qwen2.5-0.5B-Instruct", "hub id or local directory")
-    output_dir: str = flag("grpo_out", "checkpoint/ (adapter or model, tokenizer, optimizer, RNG, grpo_args.json) "
-                           "and metrics.jsonl go here")
+    output_dir: str = flag("grpo_out", "checkpoint/ (weights, optimizer, RNG, flags) and metrics.jsonl go here")
     resume: bool = flag(False, "continue the run saved in --output-dir (its flags; only run-length flags may change)")
     overwrite: bool = flag(False, "start over in an --output-dir that holds a previous run, deleting it")
-    max_steps: int = flag(200, "optimizer steps (x num_iterations)")
+    max_steps: int = flag(200, "optimizer steps (x num_iterations)", low=1)
     seed: int = flag(0, "seeds data order, sampling (+1000*rank) and LoRA init")
     dry_run: bool = flag(False, "print the resolved flags and the objective they optimise, then exit")
-    save_every: int = flag(50, "steps between checkpoints (0: only at the end)")
+    save_every: int = flag(50, "steps between checkpoints (0: only at the end)", low=0)
     wandb_project: str = flag("", "log to this wandb project too (needs wandb installed)")
-    log_samples: int = flag(0, "groups a step written to samples.jsonl: texts, each reward, advantage (0: none)")
+    log_samples: int = flag(0, "groups a step written to samples.jsonl: texts, each reward, advantage", low=0)
     # data
-    dataset: str = flag("", "'' built-in arithmetic task | gsm8k (needs `datasets`) | a JSONL file "
-                        "(GSM8K's question/answer, or prompt/answer)")
+    dataset: str = flag("", "'' built-in arithmetic | gsm8k (needs `datasets`) | JSONL: question/answer, prompt/answer")
     eval_dataset: str = flag("", "JSONL of held-out prompts (gsm8k and the built-in task have their own)")
-    eval_every: int = flag(50, "steps between evaluations, also before the first and at the last (0: never)")
-    eval_samples: int = flag(0, "k: sample k completions per held-out prompt too, for mean@k and pass@k")
-    eval_prompts: int = flag(64, "held-out prompts per evaluation")
+    eval_every: int = flag(50, "steps between evaluations, also before the first and at the last (0: never)", low=0)
+    eval_samples: int = flag(0, "k: sample k completions per held-out prompt too, for mean@k and pass@k", low=0)
+    eval_prompts: int = flag(64, "held-out prompts per evaluation", low=1)
     system_prompt: str = flag("Please reason step by step, and put your final answer within \\boxed{}.",
                               "system message of the chat template ('' for none)")
     # generate
-    prompts_per_step: int = flag(8, "B: prompts (groups) per optimizer step, over all ranks")
-    num_generations: int = flag(8, "G_s: sampled completions per prompt")
-    max_new_tokens: int = flag(256, "T: completion length cap (also Dr. GRPO's constant normaliser)")
+    prompts_per_step: int = flag(8, "B: prompts (groups) per optimizer step, over all ranks", low=1)
+    num_generations: int = flag(8, "G_s: sampled completions per prompt", low=1)
+    max_new_tokens: int = flag(256, "T: completion length cap (also Dr. GRPO's constant normaliser)", low=1)
     temperature: float = flag(1.0, "sampling temperature")
     top_p: float = flag(1.0, "nucleus sampling (1: off)")
-    top_k: int = flag(0, "top-k sampling (0: off)")
+    top_k: int = flag(0, "top-k sampling (0: off)", low=0)
     # reward
     rewards: str = flag("correct", "weighted built-in rewards, e.g. correct:1,format:0.2 (rewards.REWARDS)")
     reward_fn: str = flag("", "your own reward, PATH.py:FUNCTION; used alone unless --rewards is also given")
     overlong_penalty: bool = flag(False, "DAPO §3.4 soft overlong punishment added to the reward")
     overlong_buffer: int = flag(0, "L_cache in tokens for the overlong penalty (0: T // 5)")
     # advantage and group filters
-    scale: str = flag("std", "std: A = (R - mean) / (std + eps) | none: A = R - mean (Dr. GRPO)")
+    scale: str = flag("std", "std: A = (R - mean) / (std + eps) | none: A = R - mean (Dr. GRPO)", ("std", "none"))
     std_eps: float = flag(1e-6, "eps in the std scaling and in the soft weights")
     soft_reweight: bool = flag(False, "Dr. GRPO+ soft: A *= std_g / max std over the step's groups")
     dynamic_sampling: bool = flag(False, "DAPO §3.2: keep groups whose rewards differ, regenerate to refill B")
-    max_gen_rounds: int = flag(4, "cap on generation rounds per step for dynamic sampling")
-    top_k_groups: int = flag(0, "keep the k groups with the largest reward std (0: off)")
-    skip_zero_variance: bool = flag(True, "skip forward/backward of groups with equal rewards (exact; "
-                                    "only with beta 0, where they carry no gradient)")
+    max_gen_rounds: int = flag(4, "cap on generation rounds per step for dynamic sampling", low=1)
+    top_k_groups: int = flag(0, "keep the k groups with the largest reward std (0: off)", low=0)
+    skip_zero_variance: bool = flag(True, "skip forward/backward of groups with equal rewards (exact with beta 0)")
     # loss
-    loss_agg: str = flag("seq-mean-token-mean", "token-mean | seq-mean-token-mean | seq-mean-token-sum "
-                         "| seq-mean-token-sum-norm")
+    loss_agg: str = flag("seq-mean-token-mean", "how token losses become one number (see aggregate_loss)", LOSS_AGGS)
     eps_low: float = flag(0.2, "ratio clipped below at 1 - eps_low")
-    eps_high: float = flag(0.2, "ratio clipped above at 1 + eps_high (DAPO clip-higher: 0.28)")
-    ratio: str = flag("token", "token: r = pi / pi_old per token | sequence: GSPO's s_i = exp(mean_t log r)")
-    surrogate: str = flag("clip", "clip: PPO's -min(rA, clip(r) A) | cispo: -sg(clip(r)) A log pi | sapo: soft gate")
+    eps_high: float = flag(0.2, "ratio clipped above at 1 + eps_high (DAPO clip-higher: 0.28)", low=0)
+    ratio: str = flag("token", "token: r = pi / pi_old per token | sequence: GSPO's s_i = exp(mean_t log r)",
+                      ("token", "sequence"))
+    surrogate: str = flag("clip", "clip: PPO's -min(rA, clip(r) A) | cispo: -sg(clip(r)) A log pi | sapo: soft gate",
+                          ("clip", "cispo", "sapo"))
     sapo_tau_pos: float = flag(1.0, "SAPO gate temperature where A > 0")
     sapo_tau_neg: float = flag(1.05, "SAPO gate temperature where A < 0")
     dual_clip: float = flag(0.0, "c > 1: where A < 0 the loss is at most c |A| (dual-clip PPO; 0: off)")
-    beta: float = flag(0.0, "KL weight against the reference (adapter disabled)")
-    kl: str = flag("k3", "KL term: k3 (GRPO eq. 4) | k3_ratio | k2 (see kl_penalty)")
+    beta: float = flag(0.0, "KL weight against the reference (adapter disabled)", low=0)
+    kl: str = flag("k3", "KL term (see kl_penalty)", ("k3", "k3_ratio", "k2"))
     mask_truncated: bool = flag(False, "DAPO §3.4 overlong filtering: no loss on completions without EOS")
-    num_iterations: int = flag(1, "optimizer steps per rollout batch (old_logp computed once if > 1)")
+    num_iterations: int = flag(1, "optimizer steps per rollout batch (old_logp computed once if > 1)", low=1)
     # mixed student + teacher pool
     teacher_pool: str = flag("", "JSONL of cached teacher completions: prompt, completion, reward")
-    teacher_per_group: int = flag(0, "G_t: teacher completions per group, beside the G_s student samples")
+    teacher_per_group: int = flag(0, "G_t: teacher completions per group, beside the G_s student samples", low=0)
     split_grads: bool = flag(False, "backpropagate student and teacher halves apart; log |g_s|, |g_t|, cos")
     # model and optimizer
-    lora_r: int = flag(16, "LoRA rank (0: full fine-tuning)")
+    lora_r: int = flag(16, "LoRA rank (0: full fine-tuning)", low=0)
     lora_alpha: int = flag(32, "LoRA alpha")
     lora_dropout: float = flag(0.0, "LoRA dropout (0 keeps logp deterministic between passes)")
     load_in_4bit: bool = flag(False, "QLoRA: 4-bit NF4 base weights (bitsandbytes)")
-    dtype: str = flag("auto", "auto (bf16 where supported, else fp32) | bf16 | fp32")
+    dtype: str = flag("auto", "auto: bf16 where supported, else fp32", ("auto", "bf16", "fp32"))
     gradient_checkpointing: bool = flag(False, "recompute activations in backward")
-    micro_batch_size: int = flag(8, "rows per training forward/backward (gradient accumulation)")
-    optim: str = flag("adamw_torch", "adamw_torch | adamw_8bit | paged_adamw_8bit (bitsandbytes)")
+    micro_batch_size: int = flag(8, "rows per training forward/backward (gradient accumulation)", low=1)
+    optim: str = flag("adamw_torch", "AdamW: torch's, or bitsandbytes' 8-bit or paged 8-bit",
+                      ("adamw_torch", "adamw_8bit", "paged_adamw_8bit"))
     learning_rate: float = flag(2e-5, "AdamW learning rate")
-    weight_decay: float = flag(0.0, "AdamW weight decay")
-    max_grad_norm: float = flag(1.0, "clip the gradient norm (0: no clipping)")
+    weight_decay: float = flag(0.0, "AdamW weight decay", low=0)
+    max_grad_norm: float = flag(1.0, "clip the gradient norm (0: no clipping)", low=0)
 
 
 STAGES = {"algo": "run", "dataset": "data", "prompts_per_step": "generate", "rewards": "reward",
@@ -167,8 +170,6 @@ PRESETS = {  # SPEC §5; values from the papers and seeds
 }
 RUN_LENGTH = {"output_dir", "resume", "overwrite", "dry_run", "max_steps", "save_every", "eval_every", "eval_prompts",
               "eval_samples", "log_samples", "wandb_project"}  # what --resume lets change
-LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-OPTIMS = ("adamw_torch", "adamw_8bit", "paged_adamw_8bit")
 
 
 def parse_args(argv=None) -> Args:
@@ -208,37 +209,33 @@ def parse_args(argv=None) -> Args:
 
 def check_args(a: Args):
     """Impossible flags and combinations fail here, the first one found, with what to change."""
-    choices = {"scale": ("std", "none"), "loss_agg": LOSS_AGGS, "optim": OPTIMS, "dtype": ("auto", "bf16", "fp32"),
-               "ratio": ("token", "sequence"), "surrogate": ("clip", "cispo", "sapo"), "kl": ("k3", "k3_ratio", "k2")}
-    at_least_1 = ("prompts_per_step", "num_generations", "max_new_tokens", "micro_batch_size", "num_iterations",
-                  "max_gen_rounds", "max_steps")
-    at_least_0 = ("save_every", "eval_every", "top_k", "lora_r", "max_grad_norm", "weight_decay", "teacher_per_group",
-                  "eval_samples", "log_samples")
-    rules = [(getattr(a, k) not in v, f"{dash(k)} {getattr(a, k)!r}: use one of {', '.join(v)}")
-             for k, v in choices.items()]
-    rules += [(getattr(a, k) < 1, f"{dash(k)} must be at least 1") for k in at_least_1]
-    rules += [(getattr(a, k) < 0, f"{dash(k)} must be >= 0") for k in at_least_0] + [
-        (a.temperature <= 0, "--temperature must be > 0"), (not 0 < a.top_p <= 1, "--top-p must be in (0, 1]"),
-        (not 0 <= a.lora_dropout < 1, "--lora-dropout must be in [0, 1)"),
-        (a.learning_rate <= 0, "--learning-rate must be > 0"),
-        (not 0 <= a.eps_low < 1 or a.eps_high < 0, "--eps-low must be in [0, 1) and --eps-high >= 0"),
-        (min(a.sapo_tau_pos, a.sapo_tau_neg) <= 0, "--sapo-tau-pos and --sapo-tau-neg must be > 0"),
-        (a.dual_clip and (a.dual_clip <= 1 or a.surrogate != "clip"),
-         "--dual-clip c caps the clipped surrogate's loss at c |A|: it needs c > 1 and --surrogate clip"),
-        (a.num_generations + a.teacher_per_group < 2,
-         "a group needs at least 2 completions for a group-relative advantage: raise --num-generations"),
-        (a.resume and a.overwrite, "--resume continues the run in --output-dir and --overwrite deletes it: give one"),
-        (a.load_in_4bit and a.lora_r == 0,
-         "--load-in-4bit trains LoRA adapters on frozen 4-bit weights: set --lora-r > 0"),
-        (a.overlong_penalty and not 0 < a.overlong_buffer <= a.max_new_tokens,
-         "--overlong-buffer must be in (0, --max-new-tokens]"),
-        (not 0 <= a.top_k_groups <= a.prompts_per_step, "--top-k-groups must be between 0 and --prompts-per-step"),
-        (bool(a.teacher_pool) != (a.teacher_per_group > 0),
-         "the mixed pool needs both --teacher-pool PATH and --teacher-per-group G_T > 0"),
-        (a.split_grads and not a.teacher_pool,
-         "--split-grads splits student and teacher gradients: it needs --teacher-pool"),
-        (not a.rewards and not a.reward_fn, "no reward: give --rewards and/or --reward-fn")]
-    for bad, msg in rules:
+    for f in dataclasses.fields(a):
+        value, choices, low = getattr(a, f.name), f.metadata["choices"], f.metadata["low"]
+        if choices and value not in choices:
+            fail(f"{dash(f.name)} {value!r}: use one of {', '.join(choices)}")
+        if low is not None and value < low:
+            fail(f"{dash(f.name)} must be at least {low}")
+    for bad, msg in [
+            (a.temperature <= 0, "--temperature must be > 0"), (not 0 < a.top_p <= 1, "--top-p must be in (0, 1]"),
+            (not 0 <= a.lora_dropout < 1, "--lora-dropout must be in [0, 1)"),
+            (a.learning_rate <= 0, "--learning-rate must be > 0"),
+            (not 0 <= a.eps_low < 1, "--eps-low must be in [0, 1)"),
+            (min(a.sapo_tau_pos, a.sapo_tau_neg) <= 0, "--sapo-tau-pos and --sapo-tau-neg must be > 0"),
+            (a.dual_clip and (a.dual_clip <= 1 or a.surrogate != "clip"),
+             "--dual-clip c caps the clipped surrogate's loss at c |A|: it needs c > 1 and --surrogate clip"),
+            (a.num_generations + a.teacher_per_group < 2,
+             "a group needs at least 2 completions for a group-relative advantage: raise --num-generations"),
+            (a.resume and a.overwrite, "--resume continues the run in --output-dir, --overwrite deletes it: give one"),
+            (a.load_in_4bit and a.lora_r == 0,
+             "--load-in-4bit trains LoRA adapters on frozen 4-bit weights: set --lora-r > 0"),
+            (a.overlong_penalty and not 0 < a.overlong_buffer <= a.max_new_tokens,
+             "--overlong-buffer must be in (0, --max-new-tokens]"),
+            (a.top_k_groups > a.prompts_per_step, "--top-k-groups must be at most --prompts-per-step"),
+            (bool(a.teacher_pool) != (a.teacher_per_group > 0),
+             "the mixed pool needs both --teacher-pool PATH and --teacher-per-group G_T > 0"),
+            (a.split_grads and not a.teacher_pool,
+             "--split-grads splits student and teacher gradients: it needs --teacher-pool"),
+            (not a.rewards and not a.reward_fn, "no reward: give --rewards and/or --reward-fn")]:
         if bad:
             fail(msg)
 
@@ -610,97 +607,78 @@ def soft_weights(stds: torch.Tensor, max_std=None, eps: float = 1e-6) -> torch.T
     return stds / ((stds.max() if max_std is None else max_std) + eps)
 
 
-def keep_by_rank(counts: list[int], total: int) -> list[int]:
-    """Groups each rank keeps so the ranks together keep `total`, earlier ranks first."""
-    out = []
-    for c in counts:
-        out.append(min(c, max(0, total - sum(out))))
-    return out
-
-
 def group_metrics(groups: list[dict]) -> dict:
-    """Reward, accuracy and length metrics over all ranks' groups; per source in the mixed pool."""
-    rows = [[float(r), len(c), t, te, R.is_correct(x, g["answer"]), bool(g["rewards"].max() == g["rewards"].min())]
+    """Reward, accuracy and length metrics over every rank's groups; per source in the mixed pool."""
+    rows = [(float(r), len(c), t, te, R.is_correct(x, g["answer"]), bool(g["rewards"].max() == g["rewards"].min()))
             for g in groups for r, c, t, te, x in zip(g["rewards"], g["completions"], g["truncated"],
                                                        g["is_teacher"], g["texts"])]
-    rows = torch.tensor([r for rank_rows in all_gather(rows) for r in rank_rows], dtype=torch.float64)
-    # columns: reward, length, truncated, teacher, correct, in a group of equal rewards (groups are all G rows)
-    student, teacher = rows[rows[:, 3] == 0], rows[rows[:, 3] == 1]
-    out = {"reward/mean": rows[:, 0].mean().item(), "reward/std": rows[:, 0].std().item(),
-           "groups/equal_frac": rows[:, 5].mean().item(),
-           "accuracy": student[:, 4].mean().item(), "completion/mean_length": student[:, 1].mean().item(),
-           "completion/max_length": student[:, 1].max().item(),
-           "completion/truncated_frac": student[:, 2].mean().item()}
-    for src, part in (("student", student), ("teacher", teacher)) if len(teacher) else ():
-        out[f"reward/mean_{src}"] = part[:, 0].mean().item()
-        out[f"completion/mean_length_{src}"] = part[:, 1].mean().item()
-    for name in groups[0]["per_fn"] if groups else ():
+    rows = torch.tensor(sum(all_gather(rows), []), dtype=torch.float64)  # one row per completion, every rank's
+    reward, length, truncated, teacher, correct, equal = rows.T
+    student = teacher == 0
+    out = {"reward/mean": reward.mean().item(), "reward/std": reward.std().item(),
+           "groups/equal_frac": equal.mean().item(), "accuracy": correct[student].mean().item(),
+           "completion/tokens": length[student].sum().item(), "completion/mean_length": length[student].mean().item(),
+           "completion/max_length": length[student].max().item(),
+           "completion/truncated_frac": truncated[student].mean().item()}
+    for src, part in (("student", student), ("teacher", ~student)) if teacher.any() else ():
+        out[f"reward/mean_{src}"] = reward[part].mean().item()
+        out[f"completion/mean_length_{src}"] = length[part].mean().item()
+    for name in groups[0]["per_fn"]:
         vals = sum(all_gather([v for g in groups for v in g["per_fn"][name].tolist()]), [])
         out[f"reward/{name}"] = sum(vals) / len(vals)
     return out
 
 
 def rollout(model, tok, stream, reward_fns, pool, a: Args, rank=0, world=1, rng=None):
-    """Generate and score this rank's groups for one step, then filter and compute advantages. Returns the
-    kept groups, the step's metrics, and every group generated (the kept ones hold "adv").
+    """Generate and score this rank's groups for one step, then filter them and compute advantages. Returns
+    the kept groups (each with "adv"), the step's metrics, and every group generated, kept or not.
     A group: one prompt, G = G_s student + G_t teacher rows, rewards (G,), adv (G,)."""
     rng = rng or random.Random(a.seed + 1000 * rank)
-    groups, generated, rounds, t_gen, t_rew, n_tokens = [], [], 0, 0.0, 0.0, 0
-    while True:
-        rounds += 1
+    G_s, generated, t_gen, t_rew = a.num_generations, [], 0.0, 0.0
+    for rounds in range(1, a.max_gen_rounds + 1):
         batch = [next(stream) for _ in range(a.prompts_per_step)][rank::world]  # whole groups per rank
         t0 = time.time()
-        texts = [chat_prompt(tok, ex["prompt"], a.system_prompt) for ex in batch]
-        prompts, comps, truncated = generate(model, tok, texts, a.num_generations, a)
-        t_gen += time.time() - t0
-        t0 = time.time()
-        G_s = a.num_generations
-        n_tokens += sum(len(c) for c in comps)
-        student = tok.batch_decode(comps, skip_special_tokens=True)
-        rewards, per_fn = score(student, [ex["answer"] for ex in batch for _ in range(G_s)],
-                                [len(c) for c in comps], reward_fns, a)
+        prompts, comps, truncated = generate(model, tok, [chat_prompt(tok, ex["prompt"], a.system_prompt)
+                                                          for ex in batch], G_s, a)
+        t1 = time.time()
+        texts = tok.batch_decode(comps, skip_special_tokens=True)
+        rewards, per_fn = score(texts, [ex["answer"] for ex in batch for _ in range(G_s)], [len(c) for c in comps],
+                                reward_fns, a)
         for i, ex in enumerate(batch):
             rows = slice(i * G_s, (i + 1) * G_s)
-            g = dict(prompt_ids=prompts[i], completions=comps[rows], truncated=truncated[rows],
-                     rewards=rewards[rows], texts=student[rows], is_teacher=[False] * G_s,
-                     per_fn={k: v[rows] for k, v in per_fn.items()}, prompt=ex["prompt"], answer=ex["answer"])
-            if a.teacher_per_group:  # mixed pool, seed 003: cached completions, frozen rewards from the pool
-                picks = rng.sample(pool[ex["prompt"]], a.teacher_per_group)
-                ids, cut = zip(*[teacher_completion(tok, t, tok.eos_token_id, a.max_new_tokens) for t, _ in picks])
-                g.update(completions=g["completions"] + list(ids), truncated=g["truncated"] + list(cut),
-                         rewards=torch.cat([g["rewards"], torch.tensor([r for _, r in picks])]),
-                         texts=g["texts"] + [text for text, _ in picks], is_teacher=[False] * G_s + [True] * len(picks))
-            groups.append(g)
-            generated.append(g)
-        t_rew += time.time() - t0
-        if not a.dynamic_sampling:
+            # mixed pool, seed 003: G_t cached teacher completions, with their frozen rewards, join the group
+            picks = rng.sample(pool[ex["prompt"]], a.teacher_per_group) if pool else []
+            cached = [teacher_completion(tok, text, tok.eos_token_id, a.max_new_tokens) for text, _ in picks]
+            generated.append(dict(
+                prompt=ex["prompt"], answer=ex["answer"], prompt_ids=prompts[i],
+                completions=comps[rows] + [ids for ids, _ in cached], truncated=truncated[rows] + [c for _, c in cached],
+                texts=texts[rows] + [text for text, _ in picks], is_teacher=[False] * G_s + [True] * len(picks),
+                rewards=torch.cat([rewards[rows], torch.tensor([r for _, r in picks])]),
+                per_fn={k: v[rows] for k, v in per_fn.items()}))
+        t_gen, t_rew = t_gen + t1 - t0, t_rew + time.time() - t1
+        # DAPO §3.2 dynamic sampling: keep groups whose rewards are not all equal; refill until B are kept
+        groups = [g for g in generated if not a.dynamic_sampling or g["rewards"].max() > g["rewards"].min()]
+        if all_sum(torch.tensor([len(groups)], device=model.device)).item() >= a.prompts_per_step:
             break
-        # DAPO §3.2: keep groups whose rewards are not all equal (0 < acc < 1); refill until B are kept
-        groups = [g for g in groups if g["rewards"].max() > g["rewards"].min()]
-        kept = int(all_sum(torch.tensor([len(groups)], device=model.device)).item())
-        if kept >= a.prompts_per_step or rounds >= a.max_gen_rounds:
-            groups = groups[: keep_by_rank(all_gather(len(groups)), a.prompts_per_step)[rank]]
-            break
-    # the step's filters and weights look at all ranks' groups: gather the per-group stds (small)
-    stds = [g["rewards"].std().item() for g in groups]
-    everyone = all_gather(stds)
-    all_stds = torch.tensor([s for r in everyone for s in r])
-    if a.top_k_groups and len(all_stds) > a.top_k_groups:  # seed 004 hard filter: the k most informative groups
-        top = set(torch.argsort(all_stds, descending=True, stable=True)[: a.top_k_groups].tolist())
+    groups = groups[: max(0, a.prompts_per_step - sum(all_gather(len(groups))[:rank]))]  # B in all, lower ranks first
+    # the step's filters and weights look at every rank's groups: gather the per-group stds (small)
+    everyone = all_gather([g["rewards"].std().item() for g in groups])
+    stds = torch.tensor(sum(everyone, []))
+    if a.top_k_groups:  # seed 004 hard filter: the k groups with the largest std, ties to the lower index
+        top = set(torch.argsort(stds, descending=True, stable=True)[: a.top_k_groups].tolist())
         offset = sum(len(r) for r in everyone[:rank])
-        keep = [i for i in range(len(groups)) if offset + i in top]
-        groups, stds = [groups[i] for i in keep], [stds[i] for i in keep]
-        all_stds = all_stds[sorted(top)]
-    weights = soft_weights(torch.tensor(stds), all_stds.max() if len(all_stds) else 0.0, a.std_eps).tolist()
-    for g, w in zip(groups, weights):
-        g["adv"] = group_advantages(g["rewards"][None], a.scale, a.std_eps)[0]  # one advantage over G_s + G_t
-        g["adv"] = w * g["adv"] if a.soft_reweight else g["adv"]
-    n_kept = int(all_sum(torch.tensor([len(groups)], device=model.device)).item())
-    stats = {"groups/kept": n_kept, "groups/gen_rounds": rounds, "time/generate": t_gen, "time/reward": t_rew,
-             "completion/tokens": n_tokens, **group_metrics(generated)}  # every completion generated, kept or not
-    if a.soft_reweight and groups:
-        stats.update({"adv/soft_weight_min": min(weights), "adv/soft_weight_mean": sum(weights) / len(weights),
-                      "adv/soft_weight_max": max(weights)})
+        groups = [g for i, g in enumerate(groups, offset) if i in top]
+        stds = stds[sorted(top)]
+    for g in groups:  # one advantage over the G_s + G_t rows
+        g["adv"] = group_advantages(g["rewards"][None], a.scale, a.std_eps)[0]
+        if a.soft_reweight:
+            g["adv"] *= soft_weights(g["rewards"].std(), stds.max(), a.std_eps)
+    stats = {"groups/kept": len(stds), "groups/gen_rounds": rounds, "time/generate": t_gen, "time/reward": t_rew,
+             **group_metrics(generated)}  # every completion generated, kept or not
+    if a.soft_reweight and len(stds):
+        w = soft_weights(stds, eps=a.std_eps)
+        stats.update({"adv/soft_weight_min": w.min().item(), "adv/soft_weight_mean": w.mean().item(),
+                      "adv/soft_weight_max": w.max().item()})
     return groups, stats, generated
 
 
@@ -773,16 +751,6 @@ def token_logps(model, input_ids, attention_mask, n_completion: int, temperature
     n = max(1, 2 ** 24 // head.weight.shape[0])
     logp, entropy = zip(*[step(h, t) for h, t in zip(hidden.split(n), targets.split(n))])
     return torch.cat(logp).view(len(input_ids), -1), torch.cat(entropy).view(len(input_ids), -1)
-
-
-@contextlib.contextmanager
-def reference(model, ref_model):
-    """The KL reference: the same weights with the LoRA adapter off (no second copy), else a frozen copy."""
-    if ref_model is not None:
-        yield ref_model
-    else:
-        with model.disable_adapter():
-            yield model
 
 
 # ----------------------------------------------------------------------------- loss
@@ -874,8 +842,9 @@ def train_step(model, ref_model, opt, batch: dict | None, a: Args) -> dict:
 
     with torch.no_grad():  # per micro-batch, once, before the first update
         old_logp = [forward(idx, model)[0] for idx in chunks] if a.num_iterations > 1 else None
-        with reference(model, ref_model) if a.beta > 0 else contextlib.nullcontext() as ref:
-            ref_logp = [forward(idx, ref)[0] for idx in chunks] if a.beta > 0 else None
+        # the KL reference: the policy with its LoRA adapter off (no second copy), else a frozen copy
+        with model.disable_adapter() if a.beta > 0 and ref_model is None else contextlib.nullcontext():
+            ref_logp = [forward(idx, ref_model or model)[0] for idx in chunks] if a.beta > 0 else None
     sums = torch.zeros(7, device=dev)  # entropy, clip_low, clip_high, kl, loss (token sums), tokens, rows
     for _ in range(a.num_iterations):
         g_s = [torch.zeros_like(p) for p in params] if a.split_grads else None
@@ -1127,7 +1096,6 @@ def main(argv=None):
             done = {"step": step, "prompts_drawn": done["prompts_drawn"] + m["groups/gen_rounds"] * a.prompts_per_step,
                     "rng": all_gather(rng_state(teacher_rng))}
             m["time/train"] = time.time() - t1
-            m["completion/tokens"] = all_sum(torch.tensor([float(m["completion/tokens"])], device=device)).item()
             m["tokens_per_second"] = m["completion/tokens"] / (time.time() - t0)
             if a.eval_every and evals and (step % a.eval_every == 0 or step == a.max_steps):
                 m.update(evaluate(model, tok, evals, a, rank, world))

@@ -633,8 +633,9 @@ def test_sampling_ignores_the_model_s_own_generation_defaults(tmp_path):
     assert model.generation_config.eos_token_id == [tok.eos_token_id]
 
 
-def test_reference_is_the_base_model(tiny_dir):
-    """KL reference = the adapter disabled: equals the base model's log-probs, not the adapted ones."""
+def test_kl_reference_is_the_base_model(tiny_dir):
+    """KL reference = the adapter disabled (no second copy): train_step's kl metric is k3 against the base
+    model's log-probs, computed here from a separately loaded base model, and not 0."""
     a = grpo.parse_args(["--model", tiny_dir, "--beta", "0.1"] + TINY)
     model, tok, ref = grpo.load_model(a, torch.device("cpu"))
     assert ref is None  # LoRA: no second copy
@@ -644,14 +645,14 @@ def test_reference_is_the_base_model(tiny_dir):
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_()  # a non-zero adapter
-        ids = torch.randint(4, len(tok), (3, 20))
-        attn = torch.ones_like(ids)
-        with grpo.reference(model, None) as r:
-            ref_logp = grpo.token_logps(r, ids, attn, 8)[0]
-        base_logp = grpo.token_logps(base, ids, attn, 8)[0]
-        policy_logp = grpo.token_logps(model, ids, attn, 8)[0]
-    assert torch.allclose(ref_logp, base_logp, atol=1e-5)
-    assert not torch.allclose(policy_logp, base_logp, atol=1e-3)
+    batch = grpo.collate(tiny.fixed_groups(tok, REWARDS, a), tok.pad_token_id, "cpu")
+    with torch.no_grad():
+        C = batch["mask"].shape[1]
+        d = grpo.token_logps(base, batch["input_ids"], batch["attention_mask"], C)[0] \
+            - grpo.token_logps(model, batch["input_ids"], batch["attention_mask"], C)[0]
+    k3 = ((d.exp() - d - 1) * batch["mask"]).sum() / batch["mask"].sum()
+    m = grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), batch, a)
+    assert k3 > 1e-3 and m["kl"] == pytest.approx(k3.item(), rel=1e-4)
 
 
 def sgd_update(model, a, groups, pad_id):
@@ -1231,16 +1232,17 @@ def test_every_input_is_checked_before_anything_is_touched(tiny_dir, tmp_path, c
 
 
 @pytest.mark.parametrize("flag, value, says", [
-    ("--num-generations", "0", "--num-generations must be at least 1"), ("--max-grad-norm", "-1", ">= 0"),
-    ("--temperature", "0", "--temperature must be > 0"), ("--top-k", "-1", "--top-k must be >= 0"),
+    ("--num-generations", "0", "--num-generations must be at least 1"), ("--max-grad-norm", "-1", "at least 0"),
+    ("--temperature", "0", "--temperature must be > 0"), ("--top-k", "-1", "--top-k must be at least 0"),
     ("--top-p", "1.5", r"--top-p must be in \(0, 1\]"), ("--top-p", "0", "--top-p"),
     ("--lora-dropout", "1", r"--lora-dropout must be in \[0, 1\)"), ("--learning-rate", "0", "--learning-rate"),
-    ("--lora-r", "-1", "--lora-r must be >= 0"), ("--max-steps", "0", "--max-steps must be at least 1"),
+    ("--lora-r", "-1", "--lora-r must be at least 0"), ("--max-steps", "0", "--max-steps must be at least 1"),
     ("--save-every", "-1", "--save-every"), ("--eval-every", "-1", "--eval-every"),
-    ("--eval-samples", "-1", "--eval-samples must be >= 0"), ("--log-samples", "-1", "--log-samples must be >= 0"),
+    ("--eval-samples", "-1", "--eval-samples must be at least 0"), ("--log-samples", "-1", "--log-samples must be at least 0"),
     ("--surrogate", "ppo", "--surrogate 'ppo': use one of clip, cispo, sapo"), ("--kl", "k1", "--kl 'k1': use one of"),
     ("--ratio", "seq", "--ratio 'seq': use one of token, sequence"), ("--sapo-tau-neg", "0", "--sapo-tau-neg"),
-    ("--dual-clip", "1", "--dual-clip c .* needs c > 1"),
+    ("--dual-clip", "1", "--dual-clip c .* needs c > 1"), ("--beta", "-0.1", "--beta must be at least 0"),
+    ("--eps-high", "-0.1", "--eps-high must be at least 0"), ("--eval-prompts", "0", "--eval-prompts must be at least 1"),
 ])
 def test_out_of_range_flags_fail_with_their_name(flag, value, says):
     extra = ["--teacher-pool", "p.jsonl", "--teacher-per-group", "2"] if flag == "--num-generations" else []
