@@ -48,6 +48,7 @@ import json
 import math
 import os
 import random
+import runpy
 import shutil
 import signal
 import sys
@@ -519,22 +520,17 @@ def lora_merged(model, a: Args):
 @torch.no_grad()
 def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False):
     """n completions per prompt text -> (prompt ids per text, completions cut after the first EOS, truncated).
-    An explicit GenerationConfig: nothing from the model's own config (e.g. a repetition penalty)
-    may change the sampling distribution away from the policy the loss assumes."""
-    from transformers import GenerationConfig
+    What the call leaves unset comes from the model's generation config, which load_model cleared."""
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=not tok.chat_template).to(model.device)
-    eos_ids = model.generation_config.eos_token_id
     sampling = {} if greedy else dict(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
-    cfg = GenerationConfig(max_new_tokens=a.max_new_tokens, do_sample=not greedy, pad_token_id=tok.pad_token_id,
-                           eos_token_id=eos_ids, **sampling)
     was_training = model.training
     model.eval()
     with lora_merged(model, a), autocast(a, model.device):
-        out = model.generate(input_ids=enc.input_ids.repeat_interleave(n, 0),
-                             attention_mask=enc.attention_mask.repeat_interleave(n, 0), generation_config=cfg)
+        out = model.generate(input_ids=enc.input_ids.repeat_interleave(n, 0), max_new_tokens=a.max_new_tokens,
+                             attention_mask=enc.attention_mask.repeat_interleave(n, 0), do_sample=not greedy, **sampling)
     model.train(was_training)
     comp = out[:, enc.input_ids.shape[1]:]  # (len(texts)*n, C)
-    mask, truncated = completion_mask(comp, eos_ids)
+    mask, truncated = completion_mask(comp, model.generation_config.eos_token_id)
     prompts = [ids[m.bool()] for ids, m in zip(enc.input_ids, enc.attention_mask)]
     return prompts, [c[m] for c, m in zip(comp, mask)], truncated.tolist()
 
@@ -561,15 +557,13 @@ def build_rewards(a: Args) -> list[tuple[str, object, float]]:
         path, _, fn_name = a.reward_fn.rpartition(":")
         if not path.endswith(".py") or not os.path.isfile(path):
             fail(f"--reward-fn {a.reward_fn!r}: expected an existing PATH.py:FUNCTION")
-        spec = importlib.util.spec_from_file_location("user_reward", path)
-        module = importlib.util.module_from_spec(spec)
         try:
-            spec.loader.exec_module(module)
+            module = runpy.run_path(path)  # the file's globals
         except (Exception, SystemExit) as e:
             fail(f"--reward-fn: importing {path} raised {type(e).__name__}: {e}")
-        if not callable(getattr(module, fn_name, None)):
+        if not callable(module.get(fn_name)):
             fail(f"--reward-fn: {path} has no function {fn_name!r}")
-        fns.append((fn_name, getattr(module, fn_name), 1.0))
+        fns.append((fn_name, module[fn_name], 1.0))
     return fns
 
 
@@ -983,12 +977,6 @@ def save(model, tok, a: Args, state: dict):
     shutil.rmtree(old, ignore_errors=True)
 
 
-def rng_state(teacher_rng: random.Random) -> tuple:
-    """Every random state a step draws on: torch's (CPU, this GPU), python's, the teacher pool's."""
-    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    return torch.get_rng_state(), cuda, random.getstate(), teacher_rng.getstate()
-
-
 def check_paths(a: Args):
     """Before anything is loaded or written: the output dir, and a local model directory."""
     d = a.output_dir
@@ -1018,7 +1006,7 @@ def open_log(a: Args, name: str, step: int):
     with open(path + ".tmp", "w") as f:
         f.writelines(row for row in rows if row.strip() and json.loads(row)["step"] <= step)
     os.replace(path + ".tmp", path)
-    return open(path, "a")
+    return open(path, "a", buffering=1)  # line-buffered: each row is on disk once written
 
 
 def main(argv=None):
@@ -1035,12 +1023,8 @@ def main(argv=None):
     pool = load_teacher_pool(a, train) if a.teacher_pool else None
     reward_fns = build_rewards(a)
     score([train[0]["answer"], ""], [train[0]["answer"]] * 2, [1, 1], reward_fns, a)  # fail early, not at step 1
-    wandb = None
-    if a.wandb_project and rank == 0:
-        try:
-            import wandb
-        except ImportError:
-            fail("--wandb-project needs `pip install wandb`")
+    if a.wandb_project and rank == 0 and importlib.util.find_spec("wandb") is None:
+        fail("--wandb-project needs `pip install wandb`")
     random.seed(a.seed)
     torch.manual_seed(a.seed)  # same LoRA init on every rank
     ckpt = find_checkpoint(a.output_dir) if a.resume else None
@@ -1060,7 +1044,6 @@ def main(argv=None):
             torch.cuda.set_rng_state(cuda)
         done = {k: state[k] for k in done}
     stream = prompt_stream(train, a.seed, done["prompts_drawn"])
-    done["rng"] = all_gather(rng_state(teacher_rng))
     # every check has passed: only now is the output dir written
     os.makedirs(a.output_dir, exist_ok=True)
     if a.overwrite and rank == 0:
@@ -1068,7 +1051,8 @@ def main(argv=None):
             shutil.rmtree(os.path.join(a.output_dir, name), ignore_errors=True)
     log = open_log(a, "metrics.jsonl", done["step"]) if rank == 0 else None
     samples = open_log(a, "samples.jsonl", done["step"]) if rank == 0 and a.log_samples else None
-    if wandb:
+    if a.wandb_project and rank == 0:
+        import wandb
         wandb.init(project=a.wandb_project, config=dataclasses.asdict(a))
     stop = []  # Ctrl-C or SIGTERM: finish this step, save, exit; a second one stops at once
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -1093,8 +1077,9 @@ def main(argv=None):
                 batch = collate(groups, tok.pad_token_id, device) if groups else None
                 m.update(train_step(model, ref_model, opt, batch, a))
             training = False
+            cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None  # every random state a step uses
             done = {"step": step, "prompts_drawn": done["prompts_drawn"] + m["groups/gen_rounds"] * a.prompts_per_step,
-                    "rng": all_gather(rng_state(teacher_rng))}
+                    "rng": all_gather((torch.get_rng_state(), cuda, random.getstate(), teacher_rng.getstate()))}
             m["time/train"] = time.time() - t1
             m["tokens_per_second"] = m["completion/tokens"] / (time.time() - t0)
             if a.eval_every and evals and (step % a.eval_every == 0 or step == a.max_steps):
@@ -1103,19 +1088,17 @@ def main(argv=None):
             if rank == 0:
                 m = {"step": step, **m}
                 log.write(json.dumps(m) + "\n")
-                log.flush()
                 if samples:
                     samples.writelines(json.dumps(r) + "\n" for r in sample_rows(generated[: a.log_samples], step))
-                    samples.flush()
-                for key, bad, msg in [
-                        ("cut", m["completion/truncated_frac"] > 0.5, f"more than half the completions hit "
-                         f"--max-new-tokens {a.max_new_tokens}; a cut-off answer usually scores 0: raise it"),
-                        ("equal", m["groups/equal_frac"] == 1, "every group had equal rewards, so no learning "
-                         "signal: check the reward on the table above (or --log-samples), or the task's difficulty")]:
-                    if bad and key not in warned:  # once per run, each
-                        warned.add(key)
+                for bad, msg in [
+                        (m["completion/truncated_frac"] > 0.5, f"more than half the completions hit --max-new-tokens "
+                         f"{a.max_new_tokens}; a cut-off answer usually scores 0: raise it"),
+                        (m["groups/equal_frac"] == 1, "every group had equal rewards, so no learning signal: check "
+                         "the reward on the table above (or --log-samples), or the task's difficulty")]:
+                    if bad and msg not in warned:  # once per run, each
+                        warned.add(msg)
                         bar.write(f"grpo: warning: step {step}: {msg}", sys.stderr)
-                if wandb:
+                if a.wandb_project:
                     wandb.log(m, step=step)
                 bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{m.get('accuracy', 0):.2f}")
                 if (a.save_every and step % a.save_every == 0) or step == a.max_steps or stopping:
