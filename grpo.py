@@ -74,17 +74,25 @@ def fail(msg: str):
 
 # ----------------------------------------------------------------------------- flags
 def flag(default, help, choices=(), low=None):
-    """A field of Args: its default, its help, and what check_args allows (one of choices; at least low)."""
+    """A field of Args: its default, its help, and the values it allows (one of choices; at least low)."""
     return field(default=default, metadata={"help": help, "choices": choices, "low": low})
 
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+PRESETS = {  # SPEC §5; values from the papers and seeds
+    "grpo": dict(scale="std", loss_agg="seq-mean-token-mean", eps_low=0.2, eps_high=0.2, beta=0.04),
+    "drgrpo": dict(scale="none", loss_agg="seq-mean-token-sum-norm", eps_low=0.2, eps_high=0.2, beta=0.0),
+    "dapo": dict(scale="std", loss_agg="token-mean", eps_low=0.2, eps_high=0.28, beta=0.0,
+                 dynamic_sampling=True, overlong_penalty=True, rewards="correct_pm1"),
+    "drgrpo_soft": dict(scale="none", loss_agg="seq-mean-token-sum", eps_low=0.2, eps_high=0.2, beta=0.0,
+                        soft_reweight=True),
+}
 
 
 @dataclass
 class Args:
     # run
-    algo: str = flag("grpo", "preset: grpo | drgrpo | dapo | drgrpo_soft (sets defaults; explicit flags win)")
+    algo: str = flag("grpo", "preset: sets defaults (PRESETS); explicit flags win", tuple(PRESETS))
     model: str = flag("Qwen/Qwen2.5-0.5B-Instruct", "hub id or local directory")
     output_dir: str = flag("grpo_out", "checkpoint/ (weights, optimizer, RNG, flags) and metrics.jsonl go here")
     resume: bool = flag(False, "continue the run saved in --output-dir (its flags; only run-length flags may change)")
@@ -161,14 +169,6 @@ STAGES = {"algo": "run", "dataset": "data", "prompts_per_step": "generate", "rew
           "scale": "advantage and group filters", "loss_agg": "loss",
           "teacher_pool": "mixed student + teacher pool", "lora_r": "model and optimizer"}
 
-PRESETS = {  # SPEC §5; values from the papers and seeds
-    "grpo": dict(scale="std", loss_agg="seq-mean-token-mean", eps_low=0.2, eps_high=0.2, beta=0.04),
-    "drgrpo": dict(scale="none", loss_agg="seq-mean-token-sum-norm", eps_low=0.2, eps_high=0.2, beta=0.0),
-    "dapo": dict(scale="std", loss_agg="token-mean", eps_low=0.2, eps_high=0.28, beta=0.0,
-                 dynamic_sampling=True, overlong_penalty=True, rewards="correct_pm1"),
-    "drgrpo_soft": dict(scale="none", loss_agg="seq-mean-token-sum", eps_low=0.2, eps_high=0.2, beta=0.0,
-                        soft_reweight=True),
-}
 RUN_LENGTH = {"output_dir", "resume", "overwrite", "dry_run", "max_steps", "save_every", "eval_every", "eval_prompts",
               "eval_samples", "log_samples", "wandb_project"}  # what --resume lets change
 
@@ -183,12 +183,10 @@ def parse_args(argv=None) -> Args:
         by_algo = {algo: preset.get(f.name, f.default) for algo, preset in PRESETS.items()}
         default = ", ".join(f"{k} {v!r}" for k, v in by_algo.items()) if len(set(by_algo.values())) > 1 \
             else repr(f.default)
-        group.add_argument(dash(f.name), help=f"{f.metadata['help']} [{default}]", **kind)
+        group.add_argument(dash(f.name), help=f"{f.metadata['help']} [{default}]", choices=f.metadata["choices"] or None,
+                           **kind)
     given = vars(parser.parse_args(argv))
-    algo = given.get("algo", Args.algo)
-    if algo not in PRESETS:
-        fail(f"--algo {algo!r} is not one of {', '.join(PRESETS)}")
-    defaults = PRESETS[algo]  # a preset is defaults; an explicit flag wins
+    defaults = PRESETS[given.get("algo", Args.algo)]  # a preset is defaults; an explicit flag wins
     if given.get("resume"):  # the saved run's flags are the defaults; only run-length flags may differ
         ckpt = find_checkpoint(given.get("output_dir", Args.output_dir)) or fail("--resume: no checkpoint to continue "
                                                                                  "in --output-dir")
@@ -210,12 +208,9 @@ def parse_args(argv=None) -> Args:
 
 def check_args(a: Args):
     """Impossible flags and combinations fail here, the first one found, with what to change."""
-    for f in dataclasses.fields(a):
-        value, choices, low = getattr(a, f.name), f.metadata["choices"], f.metadata["low"]
-        if choices and value not in choices:
-            fail(f"{dash(f.name)} {value!r}: use one of {', '.join(choices)}")
-        if low is not None and value < low:
-            fail(f"{dash(f.name)} must be at least {low}")
+    for f in dataclasses.fields(a):  # the choices were argparse's to check
+        if f.metadata["low"] is not None and getattr(a, f.name) < f.metadata["low"]:
+            fail(f"{dash(f.name)} must be at least {f.metadata['low']}")
     for bad, msg in [
             (a.temperature <= 0, "--temperature must be > 0"), (not 0 < a.top_p <= 1, "--top-p must be in (0, 1]"),
             (not 0 <= a.lora_dropout < 1, "--lora-dropout must be in [0, 1)"),
@@ -250,21 +245,15 @@ def describe_objective(a: Args) -> str:
     term += f" - {a.beta:g}·KL_{a.kl}" if a.beta else ""
     n = {"token-mean": "Σ_i |o_i|", "seq-mean-token-mean": "n_seq |o_i|", "seq-mean-token-sum": "n_seq",
          "seq-mean-token-sum-norm": f"n_seq·{a.max_new_tokens}"}[a.loss_agg]
+    r = "s_i = exp(mean_t log π_θ/π_old)" if a.ratio == "sequence" else "π_θ/π_old per token"
     adv = "(R_i - mean_g(R)) / (std_g(R) + eps)" if a.scale == "std" else "R_i - mean_g(R)"
-    reward = [a.rewards.replace(",", " + "), a.reward_fn, f"overlong(L_cache={a.overlong_buffer})"
-              if a.overlong_penalty else ""]
-    filters = [f"dynamic sampling (≤{a.max_gen_rounds} rounds)" if a.dynamic_sampling else "",
-               f"top-{a.top_k_groups} groups by std" if a.top_k_groups else "",
-               "truncated completions masked" if a.mask_truncated else ""]
-    return "\n".join([
-        f"J(θ) = E_q [ Σ_i Σ_t ({term}) / ({n}) ],  r = " + ("s_i = exp(mean_t log π_θ/π_old)" if a.ratio == "sequence"
-                                                          else "π_θ/π_old per token"),
-        f"  A_i = {adv}" + ("  ·  std_g / max_g' std_g'" if a.soft_reweight else ""),
-        f"  R = {' + '.join(filter(None, reward))}",
-        f"  group: {a.num_generations} student" + (f" + {a.teacher_per_group} teacher (ratio 1 forced)"
-                                                   if a.teacher_per_group else "")
-        + f" completions of ≤ {a.max_new_tokens} tokens, {a.prompts_per_step} groups a step",
-        f"  filters: {', '.join(filter(None, filters)) or 'none'}"])
+    reward = [a.rewards.replace(",", " + "), a.reward_fn, a.overlong_penalty and f"overlong(L_cache={a.overlong_buffer})"]
+    filters = [a.dynamic_sampling and f"dynamic sampling (≤{a.max_gen_rounds} rounds)", a.top_k_groups and
+               f"top-{a.top_k_groups} groups by std", a.mask_truncated and "truncated completions masked"]
+    return "\n".join([f"J(θ) = E_q [ Σ_i Σ_t ({term}) / ({n}) ],  r = {r}",
+                      f"  A_i = {adv}" + ("  ·  std_g / max_g' std_g'" if a.soft_reweight else ""),
+                      f"  R = {' + '.join(filter(None, reward))}",
+                      f"  filters: {', '.join(filter(None, filters)) or 'none'}"])
 
 
 # ----------------------------------------------------------------------------- distributed
@@ -380,21 +369,14 @@ def load_teacher_pool(a: Args, train: list[dict]) -> dict[str, list[tuple[str, f
     """prompt -> [(completion, frozen reward)]; every training prompt must have at least G_t of them."""
     pool: dict[str, list[tuple[str, float]]] = {}
     for i, r in read_jsonl(a.teacher_pool, ("prompt", "completion", "reward")):
-        try:
-            reward = float(r["reward"])
-        except (TypeError, ValueError):
-            reward = math.nan
-        if not math.isfinite(reward):
+        if type(r["reward"]) not in (int, float) or not math.isfinite(r["reward"]):
             fail(f"{a.teacher_pool}:{i}: reward {r['reward']!r} is not a finite number")
-        pool.setdefault(r["prompt"], []).append((str(r["completion"]), reward))
-    missing = [ex["prompt"] for ex in train if ex["prompt"] not in pool]
-    if missing:
-        fail(f"{len(missing)} of {len(train)} training prompts have no teacher completion in {a.teacher_pool} "
-             f"(first: {missing[0][:60]!r}): add them to the pool, or train on its prompts with --dataset")
-    short = [p for p in {ex["prompt"] for ex in train} if len(pool[p]) < a.teacher_per_group]
+        pool.setdefault(r["prompt"], []).append((str(r["completion"]), float(r["reward"])))
+    short = [p for p in dict.fromkeys(ex["prompt"] for ex in train) if len(pool.get(p, ())) < a.teacher_per_group]
     if short:
-        fail(f"{len(short)} prompts have fewer than --teacher-per-group {a.teacher_per_group} teacher completions "
-             f"(e.g. {short[0][:60]!r} has {len(pool[short[0]])}): lower --teacher-per-group")
+        fail(f"{len(short)} training prompts have fewer than --teacher-per-group {a.teacher_per_group} completions in "
+             f"{a.teacher_pool} (e.g. {short[0][:60]!r} has {len(pool.get(short[0], ()))}): add them to the pool, "
+             f"lower --teacher-per-group, or train on the pool's prompts with --dataset")
     return pool
 
 
@@ -424,8 +406,7 @@ def load_model(a: Args, device: torch.device, resume: str | None = None):
     except OSError as e:  # not a local directory, and not on the hub (or no network)
         fail(f"--model {a.model!r}: {str(e).splitlines()[0]}")
     tok.padding_side = "left"  # batched generation appends to the right end of every row
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token  # safe: completions are masked by position, not by token id
+    tok.pad_token = tok.pad_token or tok.eos_token  # safe: completions are masked by position, not by token id
     kw = dict(dtype=dtype)
     if a.load_in_4bit:
         kw.update(device_map={"": device}, quantization_config=BitsAndBytesConfig(
