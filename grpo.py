@@ -312,8 +312,7 @@ def read_jsonl(path: str, fields: tuple[str, ...]) -> list[tuple[int, dict]]:
     with open(path, "rb") as f:
         for i, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
-                rec = json.loads(line) if line.strip() else None
+                rec = json.loads(raw.decode("utf-8")) if raw.strip() else None
             except UnicodeDecodeError:
                 fail(f"{path}:{i}: not UTF-8 text")
             except json.JSONDecodeError as e:
@@ -407,13 +406,11 @@ def load_model(a: Args, device: torch.device, resume: str | None = None):
         fail(f"--model {a.model!r}: {str(e).splitlines()[0]}")
     tok.padding_side = "left"  # batched generation appends to the right end of every row
     tok.pad_token = tok.pad_token or tok.eos_token  # safe: completions are masked by position, not by token id
-    kw = dict(dtype=dtype)
+    kw = dict(dtype=dtype, device_map={"": device})
     if a.load_in_4bit:
-        kw.update(device_map={"": device}, quantization_config=BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True))
+        kw["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                       bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True)
     model = AutoModelForCausalLM.from_pretrained(resume if resume and a.lora_r == 0 else a.model, **kw)
-    if not a.load_in_4bit:
-        model.to(device)
     for m in model.modules():  # bitsandbytes on CPU repacks 4-bit weights in eval mode; training then fails
         if hasattr(m, "support_avx512bf16_for_cpu"):
             m.support_avx512bf16_for_cpu = False
@@ -439,7 +436,7 @@ def load_model(a: Args, device: torch.device, resume: str | None = None):
             r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=a.lora_dropout, target_modules="all-linear",
             task_type="CAUSAL_LM"))
     elif a.beta > 0:  # full fine-tuning with KL: a frozen copy of the starting model is the reference
-        ref = AutoModelForCausalLM.from_pretrained(a.model, **kw).to(device) if resume else copy.deepcopy(model)
+        ref = AutoModelForCausalLM.from_pretrained(a.model, **kw) if resume else copy.deepcopy(model)
         ref_model = ref.eval().requires_grad_(False)
     return model, tok, ref_model
 
