@@ -430,15 +430,14 @@ def load_model(a: Args, device: torch.device, resume: str | None = None):
         import peft
         if a.load_in_4bit:
             model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=a.gradient_checkpointing)
-        if resume:
-            return peft.PeftModel.from_pretrained(model, resume, is_trainable=True), tok, None
-        model = peft.get_peft_model(model, peft.LoraConfig(
-            r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=a.lora_dropout, target_modules="all-linear",
-            task_type="CAUSAL_LM"))
+        model = peft.PeftModel.from_pretrained(model, resume, is_trainable=True) if resume else peft.get_peft_model(
+            model, peft.LoraConfig(r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=a.lora_dropout,
+                                   target_modules="all-linear", task_type="CAUSAL_LM"))
     elif a.beta > 0:  # full fine-tuning with KL: a frozen copy of the starting model is the reference
         ref = AutoModelForCausalLM.from_pretrained(a.model, **kw) if resume else copy.deepcopy(model)
         ref_model = ref.eval().requires_grad_(False)
-    return model, tok, ref_model
+    # from_pretrained returns eval mode, where the layers skip gradient checkpointing and LoRA dropout
+    return model.train(), tok, ref_model
 
 
 def use_bf16(a: Args, device: torch.device) -> bool:

@@ -732,6 +732,38 @@ def test_one_step_at_the_full_vocabulary_width(wide_dir, algo, dtype):
     assert 0 < m["policy/entropy"] <= math.log(len(tok)) + 1e-3
 
 
+@pytest.mark.parametrize("lora_r", ["16", "0"])
+def test_gradient_checkpointing_recomputes_each_layer_in_backward(tiny_dir, lora_r):
+    """With --gradient-checkpointing a decoder layer runs twice per training micro-batch (forward, then
+    again in backward), once without; the model trains in train mode (from_pretrained gives eval mode,
+    where transformers skips checkpointing) and generate() leaves it there."""
+    calls = {}
+    for gc in (False, True):
+        a = grpo.parse_args(["--model", tiny_dir, "--algo", "drgrpo", "--lora-r", lora_r] + TINY
+                            + ["--micro-batch-size", "8"] + ["--gradient-checkpointing"] * gc)
+        model, tok, ref = grpo.load_model(a, torch.device("cpu"))
+        grpo.generate(model, tok, [grpo.chat_prompt(tok, "1+1?", "")], 2, a)
+        assert model.training and model.get_decoder().layers[0].training
+        runs = []
+        model.get_decoder().layers[0].mlp.register_forward_pre_hook(lambda *_: runs.append(1))
+        batch = grpo.collate(tiny.fixed_groups(tok, [[0, 1], [1, 0]], a), tok.pad_token_id, "cpu")
+        grpo.train_step(model, ref, grpo.make_optimizer(a, model), batch, a)  # one micro-batch, no KL
+        calls[gc] = len(runs)
+    assert calls == {False: 1, True: 2}
+
+
+def test_lora_dropout_is_applied_in_training(tiny_dir):
+    a = grpo.parse_args(["--model", tiny_dir, "--lora-dropout", "0.5"] + TINY)
+    model, tok, _ = grpo.load_model(a, torch.device("cpu"))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_()  # a non-zero adapter, so dropping its input shows
+        ids = torch.randint(4, len(tok), (2, 12))
+        first, second = (grpo.token_logps(model, ids, torch.ones_like(ids), 6)[0] for _ in range(2))
+    assert not torch.equal(first, second)
+
+
 def test_parameters_change_after_one_step(loaded):
     a, model, tok = loaded
     model = copy.deepcopy(model)
