@@ -490,14 +490,11 @@ def test_presets_and_explicit_flags_win():
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--algo", "ppo"], "--algo"),
-    (["--loss-agg", "mean"], "--loss-agg"),
     (["--load-in-4bit", "--lora-r", "0"], "--lora-r"),
     (["--split-grads"], "--teacher-pool"),
     (["--teacher-per-group", "2"], "--teacher-pool"),
     (["--num-generations", "1"], "--num-generations"),
     (["--top-k-groups", "9"], "--top-k-groups"),
-    (["--optim", "sgd"], "--optim"),
 ])
 def test_impossible_flags_fail_with_a_sentence(argv, says):
     with pytest.raises(SystemExit, match=says):
