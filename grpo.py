@@ -654,10 +654,11 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, rank=0, world=1, rng=
 
 
 def collate(groups: list[dict], pad_id: int, device) -> dict:
-    """Groups -> padded tensors: prompt left-padded, completion right-padded. N = sum of group sizes."""
+    """Groups -> padded tensors: prompt left-padded, completion right-padded. N = sum of group sizes (0 when a
+    rank kept no group: it still joins the step's reductions)."""
     prompts = [g["prompt_ids"] for g in groups for _ in g["completions"]]
     comps = [c for g in groups for c in g["completions"]]
-    P, C = max(len(p) for p in prompts), max(len(c) for c in comps)
+    P, C = max(map(len, prompts), default=0), max(map(len, comps), default=0)
     ids = torch.full((len(comps), P + C), pad_id, dtype=torch.long)
     attn = torch.zeros(len(comps), P + C, dtype=torch.long)
     mask = torch.zeros(len(comps), C)
@@ -665,11 +666,12 @@ def collate(groups: list[dict], pad_id: int, device) -> dict:
         ids[i, P - len(p):P], ids[i, P:P + len(c)] = p, c
         attn[i, P - len(p):] = 1  # after-EOS padding stays attended: causal, masked out of the loss
         mask[i, :len(c)] = 1
-    cat = lambda key: torch.cat([torch.as_tensor(g[key]) for g in groups])  # noqa: E731
-    equal = torch.tensor([bool(g["rewards"].max() == g["rewards"].min()) for g in groups for _ in g["completions"]])
-    return dict(input_ids=ids.to(device), attention_mask=attn.to(device), mask=mask.to(device),  # (N, P+C), (N, C)
-                adv=cat("adv").to(device), truncated=cat("truncated").to(device),  # (N,)
-                is_teacher=cat("is_teacher").to(device), zero_variance=equal.to(device))
+    flat = lambda key, dtype: torch.tensor([float(x) for g in groups for x in g[key]], dtype=dtype)  # noqa: E731
+    equal = [g["rewards"].max() == g["rewards"].min() for g in groups for _ in g["completions"]]
+    return {k: v.to(device) for k, v in dict(
+        input_ids=ids, attention_mask=attn, mask=mask, adv=flat("adv", torch.float32),  # (N, P+C), (N, C), (N,)
+        truncated=flat("truncated", torch.bool), is_teacher=flat("is_teacher", torch.bool),
+        zero_variance=torch.tensor(equal, dtype=torch.bool)).items()}
 
 
 # ----------------------------------------------------------------------------- log-probs
@@ -790,21 +792,17 @@ def edit_source_grads(g_s: list, g_t: list) -> list:
     return [s + t for s, t in zip(g_s, g_t)]
 
 
-def train_step(model, ref_model, opt, batch: dict | None, a: Args) -> dict:
-    """num_iterations optimizer steps on one rollout batch; returns the step's metrics (all ranks).
-    batch None: this rank kept no group this step, but joins the others' reductions."""
+def train_step(model, ref_model, opt, batch: dict, a: Args) -> dict:
+    """num_iterations optimizer steps on one rollout batch; returns the step's metrics (all ranks)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    dev = params[0].device
-    mask = torch.zeros(0, 1, device=dev) if batch is None else batch["mask"]
-    if a.mask_truncated and batch is not None:  # DAPO §3.4 overlong filtering
+    dev, mask = params[0].device, batch["mask"]
+    if a.mask_truncated:  # DAPO §3.4 overlong filtering
         mask = mask * ~batch["truncated"][:, None]
     # normalisers of the whole step: every row (skipped ones too), summed over ranks
     n_seqs, n_tokens = all_sum(torch.stack([(mask.sum(-1) > 0).sum().float(), mask.sum()])).tolist()
     # zero-variance skip (seed 003): equal rewards -> adv = 0 -> no policy gradient; exact with beta = 0
-    rows = []
-    if batch is not None:
-        skip = batch["zero_variance"] & (a.skip_zero_variance and a.beta == 0)
-        rows = ((mask.sum(-1) > 0) & ~skip).nonzero()[:, 0].tolist()
+    skip = batch["zero_variance"] & (a.skip_zero_variance and a.beta == 0)
+    rows = ((mask.sum(-1) > 0) & ~skip).nonzero()[:, 0].tolist()
     chunks = [rows[i:i + a.micro_batch_size] for i in range(0, len(rows), a.micro_batch_size)]
 
     def forward(idx, net):
@@ -1051,8 +1049,7 @@ def main(argv=None):
             t1 = time.time()
             training = True
             if m["groups/kept"]:  # the same on every rank; 0 when dynamic sampling kept nothing by its cap
-                batch = collate(groups, tok.pad_token_id, device) if groups else None
-                m.update(train_step(model, ref_model, opt, batch, a))
+                m.update(train_step(model, ref_model, opt, collate(groups, tok.pad_token_id, device), a))
             training = False
             cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None  # every random state a step uses
             done = {"step": step, "prompts_drawn": done["prompts_drawn"] + m["groups/gen_rounds"] * a.prompts_per_step,

@@ -1351,6 +1351,17 @@ def test_a_step_that_trains_nothing_logs_no_entropy(loaded):
     assert m["train/rows"] == 0 and "policy/entropy" not in m and "loss" not in m
 
 
+def test_a_rank_with_no_group_joins_the_step_with_an_empty_batch(loaded):
+    """Under torchrun a rank may keep no group (dynamic sampling, top-k): collate gives it N = 0 rows and
+    train_step runs its reductions without a forward."""
+    a, model, tok = loaded
+    batch = grpo.collate([], tok.pad_token_id, "cpu")
+    assert batch["input_ids"].shape == (0, 0) and batch["adv"].shape == batch["truncated"].shape == (0,)
+    m = grpo.train_step(copy.deepcopy(model), None, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0),
+                        batch, a)
+    assert m == {"grad/norm": 0.0, "train/rows": 0.0}
+
+
 def test_frozen_head_log_probs_and_gradient_equal_autograd():
     torch.manual_seed(0)
     h, w = torch.randn(5, 8, dtype=torch.float64, requires_grad=True), torch.randn(30, 8, dtype=torch.float64)
