@@ -208,7 +208,7 @@ def parse_args(argv=None) -> Args:
 
 def check_args(a: Args):
     """Impossible flags and combinations fail here, the first one found, with what to change."""
-    for f in dataclasses.fields(a):  # the choices were argparse's to check
+    for f in dataclasses.fields(a):  # (argparse checked the choices)
         if f.metadata["low"] is not None and getattr(a, f.name) < f.metadata["low"]:
             fail(f"{dash(f.name)} must be at least {f.metadata['low']}")
     for bad, msg in [
