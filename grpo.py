@@ -42,7 +42,9 @@ import argparse
 import contextlib
 import copy
 import dataclasses
+import hashlib
 import importlib.util
+import inspect
 import itertools
 import json
 import math
@@ -73,9 +75,13 @@ def fail(msg: str):
 
 
 # ----------------------------------------------------------------------------- flags
-def flag(default, help, choices=(), low=None):
-    """A field of Args: its default, its help, and the values it allows (one of choices; at least low)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "low": low})
+def flag(default, help, choices=(), within=""):
+    """A field of Args: its default, its help, and the values it allows: one of choices, or in the interval
+    within, e.g. "(0, 1]" (a float flag is always finite)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "within": within})
+
+
+GE0, GE1, GT0 = "[0, inf)", "[1, inf)", "(0, inf)"
 
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -97,72 +103,73 @@ class Args:
     output_dir: str = flag("grpo_out", "checkpoint/ (weights, optimizer, RNG, flags) and metrics.jsonl go here")
     resume: bool = flag(False, "continue the run saved in --output-dir (its flags; only run-length flags may change)")
     overwrite: bool = flag(False, "start over in an --output-dir that holds a previous run, deleting it")
-    max_steps: int = flag(200, "optimizer steps (x num_iterations)", low=1)
+    max_steps: int = flag(200, "optimizer steps (x num_iterations)", within=GE1)
     seed: int = flag(0, "seeds data order, sampling (+1000*rank) and LoRA init")
     dry_run: bool = flag(False, "print the resolved flags and the objective they optimise, then exit")
-    save_every: int = flag(50, "steps between checkpoints (0: only at the end)", low=0)
+    save_every: int = flag(50, "steps between checkpoints (0: only at the end)", within=GE0)
     wandb_project: str = flag("", "log to this wandb project too (needs wandb installed)")
-    log_samples: int = flag(0, "groups a step written to samples.jsonl: texts, each reward, advantage", low=0)
+    log_samples: int = flag(0, "groups a step written to samples.jsonl: texts, each reward, advantage", within=GE0)
     # data
     dataset: str = flag("", "'' built-in arithmetic | gsm8k (needs `datasets`) | JSONL: question/answer, prompt/answer")
     eval_dataset: str = flag("", "JSONL of held-out prompts (gsm8k and the built-in task have their own)")
-    eval_every: int = flag(50, "steps between evaluations, also before the first and at the last (0: never)", low=0)
-    eval_samples: int = flag(0, "k: sample k completions per held-out prompt too, for mean@k and pass@k", low=0)
-    eval_prompts: int = flag(64, "held-out prompts per evaluation", low=1)
+    eval_every: int = flag(50, "steps between evaluations, also before the first and at the last (0: never)", within=GE0)
+    eval_samples: int = flag(0, "k: sample k completions per held-out prompt too, for mean@k and pass@k", within=GE0)
+    eval_prompts: int = flag(64, "held-out prompts per evaluation", within=GE1)
     system_prompt: str = flag("Please reason step by step, and put your final answer within \\boxed{}.",
                               "system message of the chat template ('' for none)")
     # generate
-    prompts_per_step: int = flag(8, "B: prompts (groups) per optimizer step, over all ranks", low=1)
-    num_generations: int = flag(8, "G_s: sampled completions per prompt", low=1)
-    max_new_tokens: int = flag(256, "T: completion length cap (also Dr. GRPO's constant normaliser)", low=1)
-    temperature: float = flag(1.0, "sampling temperature")
-    top_p: float = flag(1.0, "nucleus sampling (1: off)")
-    top_k: int = flag(0, "top-k sampling (0: off)", low=0)
+    prompts_per_step: int = flag(8, "B: prompts (groups) per optimizer step, over all ranks", within=GE1)
+    num_generations: int = flag(8, "G_s: sampled completions per prompt", within=GE1)
+    max_new_tokens: int = flag(256, "T: completion length cap (also Dr. GRPO's constant normaliser)", within=GE1)
+    temperature: float = flag(1.0, "sampling temperature", within=GT0)
+    top_p: float = flag(1.0, "nucleus sampling (1: off)", within="(0, 1]")
+    top_k: int = flag(0, "top-k sampling (0: off)", within=GE0)
     # reward
     rewards: str = flag("correct", "weighted built-in rewards, e.g. correct:1,format:0.2 (rewards.REWARDS)")
     reward_fn: str = flag("", "your own reward, PATH.py:FUNCTION; used alone unless --rewards is also given")
     overlong_penalty: bool = flag(False, "DAPO §3.4 soft overlong punishment added to the reward")
-    overlong_buffer: int = flag(0, "L_cache in tokens for the overlong penalty (0: T // 5)")
+    overlong_buffer: int = flag(0, "L_cache in tokens for the overlong penalty (0: T // 5)", within=GE0)
     # advantage and group filters
     scale: str = flag("std", "std: A = (R - mean) / (std + eps) | none: A = R - mean (Dr. GRPO)", ("std", "none"))
-    std_eps: float = flag(1e-6, "eps in the std scaling and in the soft weights")
+    std_eps: float = flag(1e-6, "eps in the std scaling and in the soft weights", within=GT0)
     soft_reweight: bool = flag(False, "Dr. GRPO+ soft: A *= std_g / max std over the step's groups")
     dynamic_sampling: bool = flag(False, "DAPO §3.2: keep groups whose rewards differ, regenerate to refill B")
-    max_gen_rounds: int = flag(4, "cap on generation rounds per step for dynamic sampling", low=1)
-    top_k_groups: int = flag(0, "keep the k groups with the largest reward std (0: off)", low=0)
+    max_gen_rounds: int = flag(4, "cap on generation rounds per step for dynamic sampling", within=GE1)
+    top_k_groups: int = flag(0, "keep the k groups with the largest reward std (0: off)", within=GE0)
     skip_zero_variance: bool = flag(True, "skip forward/backward of groups with equal rewards (exact with beta 0)")
     # loss
     loss_agg: str = flag("seq-mean-token-mean", "how token losses become one number (see aggregate_loss)", LOSS_AGGS)
-    eps_low: float = flag(0.2, "ratio clipped below at 1 - eps_low")
-    eps_high: float = flag(0.2, "ratio clipped above at 1 + eps_high (DAPO clip-higher: 0.28)", low=0)
+    eps_low: float = flag(0.2, "ratio clipped below at 1 - eps_low", within="[0, 1)")
+    eps_high: float = flag(0.2, "ratio clipped above at 1 + eps_high (DAPO clip-higher: 0.28)", within=GE0)
     ratio: str = flag("token", "token: r = pi / pi_old per token | sequence: GSPO's s_i = exp(mean_t log r)",
                       ("token", "sequence"))
     surrogate: str = flag("clip", "clip: PPO's -min(rA, clip(r) A) | cispo: -sg(clip(r)) A log pi | sapo: soft gate",
                           ("clip", "cispo", "sapo"))
-    sapo_tau_pos: float = flag(1.0, "SAPO gate temperature where A > 0")
-    sapo_tau_neg: float = flag(1.05, "SAPO gate temperature where A < 0")
-    dual_clip: float = flag(0.0, "c > 1: where A < 0 the loss is at most c |A| (dual-clip PPO; 0: off)")
-    beta: float = flag(0.0, "KL weight against the reference (adapter disabled)", low=0)
+    sapo_tau_pos: float = flag(1.0, "SAPO gate temperature where A > 0", within=GT0)
+    sapo_tau_neg: float = flag(1.05, "SAPO gate temperature where A < 0", within=GT0)
+    dual_clip: float = flag(0.0, "c > 1: where A < 0 the loss is at most c |A| (dual-clip PPO; 0: off)", within=GE0)
+    beta: float = flag(0.0, "KL weight against the reference (adapter disabled)", within=GE0)
     kl: str = flag("k3", "KL term (see kl_penalty)", ("k3", "k3_ratio", "k2"))
     mask_truncated: bool = flag(False, "DAPO §3.4 overlong filtering: no loss on completions without EOS")
-    num_iterations: int = flag(1, "optimizer steps per rollout batch (old_logp computed once if > 1)", low=1)
+    num_iterations: int = flag(1, "optimizer steps per rollout batch (old_logp computed once if > 1)", within=GE1)
     # mixed student + teacher pool
     teacher_pool: str = flag("", "JSONL of cached teacher completions: prompt, completion, reward")
-    teacher_per_group: int = flag(0, "G_t: teacher completions per group, beside the G_s student samples", low=0)
+    teacher_per_group: int = flag(0, "G_t: teacher completions per group, beside the G_s student samples", within=GE0)
     split_grads: bool = flag(False, "backpropagate student and teacher halves apart; log |g_s|, |g_t|, cos")
     # model and optimizer
-    lora_r: int = flag(16, "LoRA rank (0: full fine-tuning)", low=0)
-    lora_alpha: int = flag(32, "LoRA alpha")
-    lora_dropout: float = flag(0.0, "LoRA dropout (0 keeps logp deterministic between passes)")
+    lora_r: int = flag(16, "LoRA rank (0: full fine-tuning)", within=GE0)
+    lora_alpha: int = flag(32, "LoRA alpha", within=GT0)
+    lora_dropout: float = flag(0.0, "LoRA dropout (0 keeps logp deterministic between passes)", within="[0, 1)")
     load_in_4bit: bool = flag(False, "QLoRA: 4-bit NF4 base weights (bitsandbytes)")
     dtype: str = flag("auto", "auto: bf16 where supported, else fp32", ("auto", "bf16", "fp32"))
     gradient_checkpointing: bool = flag(False, "recompute activations in backward")
-    micro_batch_size: int = flag(8, "rows per training forward/backward (gradient accumulation)", low=1)
+    micro_batch_size: int = flag(8, "rows per training forward/backward (gradient accumulation)", within=GE1)
     optim: str = flag("adamw_torch", "AdamW: torch's, or bitsandbytes' 8-bit or paged 8-bit",
                       ("adamw_torch", "adamw_8bit", "paged_adamw_8bit"))
-    learning_rate: float = flag(2e-5, "AdamW learning rate")
-    weight_decay: float = flag(0.0, "AdamW weight decay", low=0)
-    max_grad_norm: float = flag(1.0, "clip the gradient norm (0: no clipping)", low=0)
+    learning_rate: float = flag(2e-5, "AdamW learning rate", within=GT0)
+    warmup_steps: int = flag(0, "linear warm-up of the learning rate over N steps, then constant (DAPO: 20)", within=GE0)
+    weight_decay: float = flag(0.0, "AdamW weight decay", within=GE0)
+    max_grad_norm: float = flag(1.0, "clip the gradient norm (0: no clipping)", within=GE0)
 
 
 STAGES = {"algo": "run", "dataset": "data", "prompts_per_step": "generate", "rewards": "reward",
@@ -188,8 +195,7 @@ def parse_args(argv=None) -> Args:
     given = vars(parser.parse_args(argv))
     defaults = PRESETS[given.get("algo", Args.algo)]  # a preset is defaults; an explicit flag wins
     if given.get("resume"):  # the saved run's flags are the defaults; only run-length flags may differ
-        ckpt = find_checkpoint(given.get("output_dir", Args.output_dir)) or fail("--resume: no checkpoint to continue "
-                                                                                 "in --output-dir")
+        ckpt = resume_from(given.get("output_dir", Args.output_dir))
         with open(os.path.join(ckpt, "grpo_args.json")) as f:
             defaults = {k: v for k, v in json.load(f).items() if k in Args.__dataclass_fields__}
         for k, v in given.items():
@@ -206,17 +212,27 @@ def parse_args(argv=None) -> Args:
     return args
 
 
+def resume_from(output_dir: str) -> str:
+    """The whole checkpoint --resume continues, or one line saying why there is none."""
+    ckpt, problems = find_checkpoint(output_dir)
+    if problems:
+        print(f"grpo: warning: {problems[0]}" + (f"; continuing from {ckpt}" if ckpt else ""), file=sys.stderr)
+    return ckpt or fail(f"--resume: no whole checkpoint in {output_dir!r}" + (
+        ": --overwrite to start over" if problems else " (a run that stopped before its first save leaves none): "
+        "start it again without --resume"))
+
+
 def check_args(a: Args):
     """Impossible flags and combinations fail here, the first one found, with what to change."""
-    for f in dataclasses.fields(a):  # (argparse checked the choices)
-        if f.metadata["low"] is not None and getattr(a, f.name) < f.metadata["low"]:
-            fail(f"{dash(f.name)} must be at least {f.metadata['low']}")
+    for f in dataclasses.fields(a):  # argparse checked the choices; here each flag's interval
+        v, within = getattr(a, f.name), f.metadata["within"]
+        if isinstance(v, float) and not math.isfinite(v):
+            fail(f"{dash(f.name)} must be a finite number, not {v}")
+        lo, hi = map(float, within[1:-1].split(",")) if within else (0, 0)
+        if within and not ((lo < v if within[:1] == "(" else lo <= v) and (v < hi if within[-1:] == ")" else v <= hi)):
+            fail(f"{dash(f.name)} must be " + (f"in {within}" if hi < math.inf else f"at least {lo:g}" if within[0] == "["
+                                               else f"> {lo:g}"))
     for bad, msg in [
-            (a.temperature <= 0, "--temperature must be > 0"), (not 0 < a.top_p <= 1, "--top-p must be in (0, 1]"),
-            (not 0 <= a.lora_dropout < 1, "--lora-dropout must be in [0, 1)"),
-            (a.learning_rate <= 0, "--learning-rate must be > 0"),
-            (not 0 <= a.eps_low < 1, "--eps-low must be in [0, 1)"),
-            (min(a.sapo_tau_pos, a.sapo_tau_neg) <= 0, "--sapo-tau-pos and --sapo-tau-neg must be > 0"),
             (a.dual_clip and (a.dual_clip <= 1 or a.surrogate != "clip"),
              "--dual-clip c caps the clipped surrogate's loss at c |A|: it needs c > 1 and --surrogate clip"),
             (a.num_generations + a.teacher_per_group < 2,
@@ -304,11 +320,18 @@ def arithmetic_task(n: int, seed: int) -> list[dict]:
     return out
 
 
-def read_jsonl(path: str, fields: tuple[str, ...]) -> list[tuple[int, dict]]:
-    """(line number, record) for each non-empty line; a clear error names the file and line."""
+TEXT = (lambda v: isinstance(v, str) and v.strip() != "", "a non-empty string")  # a field's check, and its name
+NUMBER = (lambda v: type(v) in (int, float) and math.isfinite(v), "a finite number")
+ANSWER = (lambda v: v is None or type(v) in (str, int, float), "a string or a number")
+
+
+def read_jsonl(path: str, *schemas: dict) -> list[tuple[int, dict]]:
+    """(line number, record) for each non-empty line of a JSONL file, the one reader of every data file: each
+    line a JSON object with the fields of a schema (the first whose first field the first line has), each field
+    passing its check. An error names the file, the line and the field."""
     if not os.path.isfile(path):
         fail(f"{path}: " + ("is a directory" if os.path.isdir(path) else "no such file"))
-    rows = []
+    rows, schema = [], None
     with open(path, "rb") as f:
         for i, raw in enumerate(f, 1):
             try:
@@ -316,11 +339,15 @@ def read_jsonl(path: str, fields: tuple[str, ...]) -> list[tuple[int, dict]]:
             except UnicodeDecodeError:
                 fail(f"{path}:{i}: not UTF-8 text")
             except json.JSONDecodeError as e:
-                fail(f"{path}:{i}: not valid JSON ({e.msg})")
+                fail(f"{path}:{i}: not valid JSON ({e.msg}); JSONL is one JSON object per line")
             if rec is None:
                 continue
-            if not isinstance(rec, dict) or any(k not in rec for k in fields):
-                fail(f"{path}:{i}: each line needs the fields {', '.join(fields)}")
+            schema = schema or next((s for s in schemas if isinstance(rec, dict) and next(iter(s)) in rec), schemas[-1])
+            if not isinstance(rec, dict) or any(k not in rec for k in schema):
+                fail(f"{path}:{i}: each line needs the fields {', '.join(schema)} (one JSON object a line)")
+            for k, (ok, what) in schema.items():
+                if not ok(rec[k]):
+                    fail(f"{path}:{i}: {k} must be {what}, not {rec[k]!r:.60}")
             rows.append((i, rec))
     if not rows:
         fail(f"{path}: no examples")
@@ -328,49 +355,48 @@ def read_jsonl(path: str, fields: tuple[str, ...]) -> list[tuple[int, dict]]:
 
 
 def load_examples(path: str, graded: bool) -> list[dict]:
-    """A local JSONL in GSM8K's format (question, answer ending '#### N') or prompt/answer. graded: a
-    built-in correctness reward will read the answers, so each must hold one."""
-    rows = read_jsonl(path, ())
-    fields = ("question", "answer") if "question" in rows[0][1] else ("prompt", "answer")
+    """A local JSONL in GSM8K's format (question, answer ending '#### N') or prompt/answer; every other field
+    goes to the reward functions. graded: a built-in correctness reward will read the answers, so each must
+    hold one."""
     out = []
-    for i, r in rows:
-        if any(k not in r for k in fields):
-            fail(f"{path}:{i}: each line needs the fields {', '.join(fields)}")
-        if not isinstance(r[fields[0]], str) or not r[fields[0]].strip():
-            fail(f"{path}:{i}: {fields[0]} must be a non-empty string")
-        answer = "" if r["answer"] is None else str(r["answer"])
-        if graded and (not answer.strip() or fields[0] == "question" and "####" not in answer):
+    for i, r in read_jsonl(path, {"question": TEXT, "answer": ANSWER}, {"prompt": TEXT, "answer": ANSWER}):
+        gsm8k, answer = "question" in r, "" if r["answer"] is None else str(r["answer"])
+        if graded and (not answer.strip() or gsm8k and "####" not in answer):
             fail(f"{path}:{i}: answer {r['answer']!r} holds no reference" + (" (GSM8K's ends in '#### N')"
-                                                                             if fields[0] == "question" else ""))
-        out.append({"prompt": r[fields[0]], "answer": R.reference_answer(answer)})
+                                                                             if gsm8k else ""))
+        out.append({**r, "prompt": r["question" if gsm8k else "prompt"], "answer": R.reference_answer(answer)})
     return out
 
 
 def load_data(a: Args) -> tuple[list[dict], list[dict]]:
-    """(train, eval) examples: dicts with 'prompt' and 'answer' (the reference a reward compares to)."""
+    """(train, eval) examples: dicts with 'prompt' and 'answer' (the reference a reward compares to), and any
+    other field of the data file. --eval-dataset replaces any dataset's own held-out prompts."""
+    graded = any(name.partition(":")[0] in ("correct", "correct_pm1", "math_verify") for name in a.rewards.split(","))
+    evals = load_examples(a.eval_dataset, graded) if a.eval_dataset else []
     if a.dataset == "":
-        return arithmetic_task(20000, a.seed), arithmetic_task(a.eval_prompts, a.seed + 1)
-    if a.dataset == "gsm8k":
+        train, evals = arithmetic_task(20000, a.seed), evals or arithmetic_task(a.eval_prompts, a.seed + 1)
+    elif a.dataset == "gsm8k":
         try:
             import datasets
+            ds = datasets.load_dataset("openai/gsm8k", "main")
         except ImportError:
             fail("--dataset gsm8k needs `pip install datasets`, or pass GSM8K's train.jsonl as --dataset")
-        ds = datasets.load_dataset("openai/gsm8k", "main")
+        except Exception as e:  # offline, or the hub is down
+            fail(f"--dataset gsm8k: loading openai/gsm8k failed ({type(e).__name__}); offline, pass GSM8K's "
+                 f"train.jsonl and test.jsonl as --dataset and --eval-dataset")
         split = {s: [{"prompt": r["question"], "answer": R.reference_answer(r["answer"])} for r in ds[s]]
                  for s in ("train", "test")}
-        return split["train"], split["test"][: a.eval_prompts]
-    graded = any(name.partition(":")[0] in ("correct", "correct_pm1", "math_verify") for name in a.rewards.split(","))
-    train = load_examples(a.dataset, graded)
-    return train, load_examples(a.eval_dataset, graded)[: a.eval_prompts] if a.eval_dataset else []
+        train, evals = split["train"], evals or split["test"]
+    else:
+        train = load_examples(a.dataset, graded)
+    return train, evals[: a.eval_prompts]
 
 
 def load_teacher_pool(a: Args, train: list[dict]) -> dict[str, list[tuple[str, float]]]:
     """prompt -> [(completion, frozen reward)]; every training prompt must have at least G_t of them."""
     pool: dict[str, list[tuple[str, float]]] = {}
-    for i, r in read_jsonl(a.teacher_pool, ("prompt", "completion", "reward")):
-        if type(r["reward"]) not in (int, float) or not math.isfinite(r["reward"]):
-            fail(f"{a.teacher_pool}:{i}: reward {r['reward']!r} is not a finite number")
-        pool.setdefault(r["prompt"], []).append((str(r["completion"]), float(r["reward"])))
+    for i, r in read_jsonl(a.teacher_pool, {"prompt": TEXT, "completion": TEXT, "reward": NUMBER}):
+        pool.setdefault(r["prompt"], []).append((r["completion"], float(r["reward"])))
     short = [p for p in dict.fromkeys(ex["prompt"] for ex in train) if len(pool.get(p, ())) < a.teacher_per_group]
     if short:
         fail(f"{len(short)} training prompts have fewer than --teacher-per-group {a.teacher_per_group} completions in "
@@ -411,6 +437,12 @@ def load_model(a: Args, device: torch.device, resume: str | None = None):
         kw["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                        bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True)
     model = AutoModelForCausalLM.from_pretrained(resume if resume and a.lora_r == 0 else a.model, **kw)
+    # which base the run trains, saved with it: on --resume a different model at the same path is an error here,
+    # not a traceback in peft (other shapes) or a run that goes on silently (other weights)
+    saved = json.load(open(os.path.join(resume, "grpo_args.json"))).get("base") if resume else None
+    model.base = saved if resume and a.lora_r == 0 else fingerprint(model)
+    if saved and model.base != saved:
+        fail(f"--resume: --model {a.model!r} is not the base model the saved run trained (other shapes or weights)")
     for m in model.modules():  # bitsandbytes on CPU repacks 4-bit weights in eval mode; training then fails
         if hasattr(m, "support_avx512bf16_for_cpu"):
             m.support_avx512bf16_for_cpu = False
@@ -438,6 +470,12 @@ def load_model(a: Args, device: torch.device, resume: str | None = None):
         ref_model = ref.eval().requires_grad_(False)
     # from_pretrained returns eval mode, where the layers skip gradient checkpointing and LoRA dropout
     return model.train(), tok, ref_model
+
+
+def fingerprint(model) -> str:
+    """Each tensor's shape and first values (in bf16, so any dtype it was loaded in gives the same), hashed."""
+    return hashlib.sha256(repr([(tuple(p.shape), p.detach().flatten()[:16].to(torch.bfloat16).tolist())
+                                for p in model.parameters()]).encode()).hexdigest()[:16]
 
 
 def use_bf16(a: Args, device: torch.device) -> bool:
@@ -527,9 +565,12 @@ def build_rewards(a: Args) -> list[tuple[str, object, float]]:
         if name not in R.REWARDS:
             fail(f"--rewards: unknown reward {name!r}; built-ins are {', '.join(R.REWARDS)}")
         try:
-            fns.append((name, R.REWARDS[name], float(w or 1)))
+            weight = float(w or 1)
         except ValueError:
-            fail(f"--rewards: weight {w!r} of {name!r} is not a number")
+            weight = math.nan
+        if not math.isfinite(weight):
+            fail(f"--rewards: weight {w!r} of {name!r} is not a finite number")
+        fns.append((name, R.REWARDS[name], weight))
     if a.reward_fn:
         path, _, fn_name = a.reward_fn.rpartition(":")
         if not path.endswith(".py") or not os.path.isfile(path):
@@ -544,23 +585,29 @@ def build_rewards(a: Args) -> list[tuple[str, object, float]]:
     return fns
 
 
-def score(texts: list[str], answers: list[str], lengths: list[int], reward_fns, a: Args):
-    """Rewards (n,) and each function's values. A reward that raises or is not finite stops the run, named."""
+def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns, a: Args):
+    """Rewards (n,) and each function's values. A function gets the completion, the reference answer and, as
+    keyword arguments it takes, the prompt and every other field of the example (TRL's convention). A reward
+    that raises or is not finite in float32 (the step's dtype) stops the run, named."""
     per_fn = {}
     for name, fn, _ in reward_fns:
+        params = inspect.signature(fn).parameters
+        takes = lambda k: k in params or any(p.kind == p.VAR_KEYWORD for p in params.values())  # noqa: E731
         vals = []
-        for text, ans in zip(texts, answers):
+        for text, ex in zip(texts, examples):
             try:
-                v = float(fn(text, ans))
+                vals.append(float(fn(text, ex["answer"], **{k: v for k, v in ex.items() if k != "answer" and takes(k)})))
             except (Exception, SystemExit) as e:  # a user's reward: report which one and why, then stop
                 fail(f"reward {name!r} raised {type(e).__name__}: {e}")
-            if not math.isfinite(v):
-                fail(f"reward {name!r} returned {v} for a completion; rewards must be finite")
-            vals.append(v)
         per_fn[name] = torch.tensor(vals)
+        if not per_fn[name].isfinite().all():
+            fail(f"reward {name!r} returned {vals[int((~per_fn[name].isfinite()).nonzero()[0])]!r} for a completion; "
+                 f"rewards must be finite in float32")
     total = sum((w * per_fn[name] for name, _, w in reward_fns), torch.zeros(len(texts)))
     if a.overlong_penalty:  # DAPO §3.4, L_max = T
         total += torch.tensor([R.overlong_penalty(n, a.max_new_tokens, a.overlong_buffer) for n in lengths])
+    if not total.isfinite().all():
+        fail("the weighted sum of the rewards is not finite in float32: lower the --rewards weights")
     return total, per_fn
 
 
@@ -613,8 +660,7 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, rank=0, world=1, rng=
                                                           for ex in batch], G_s, a)
         t1 = time.time()
         texts = tok.batch_decode(comps, skip_special_tokens=True)
-        rewards, per_fn = score(texts, [ex["answer"] for ex in batch for _ in range(G_s)], [len(c) for c in comps],
-                                reward_fns, a)
+        rewards, per_fn = score(texts, [ex for ex in batch for _ in range(G_s)], [len(c) for c in comps], reward_fns, a)
         for i, ex in enumerate(batch):
             rows = slice(i * G_s, (i + 1) * G_s)
             # mixed pool, seed 003: G_t cached teacher completions, with their frozen rewards, join the group
@@ -754,17 +800,23 @@ def policy_loss(logp, old_logp, adv, mask, a: Args):
     return loss, (ratio < 1 - a.eps_low) & (adv < 0), (ratio > 1 + a.eps_high) & (adv > 0)
 
 
-def kl_penalty(logp, ref_logp, kind: str = "k3"):
+def kl_penalty(logp, ref_logp, kind: str = "k3", old_logp=None):
     """Per-token KL term (Schulman's estimators), with d = log ref - log pi; its gradient under samples of pi:
       k3        e^d - d - 1: an unbiased VALUE of KL(pi || ref), GRPO (2402.03300) eq. 4; but its gradient
                 (1 - ref/pi) grad log pi has the mean grad KL(ref || pi), the reverse direction
-      k3_ratio  k3 · pi / sg(pi): the same value; gradient mean grad KL(pi || ref) (the score term added)
+      k3_ratio  k3 · pi / pi_old, the policy loss's ratio (TRL's use_bias_correction_kl, DeepSeek-V3.2): its
+                gradient -(pi / pi_old) d grad log pi has the mean grad KL(pi || ref) under samples of pi_old.
+                Written so (k3's value, -d's gradient): differentiating k3 · ratio as is would cancel
+                (1 - e^d) + (e^d - d - 1) in floating point, which loses all of -d past |d| ~ 20 in fp32
       k2        d^2 / 2: gradient -d grad log pi, whose mean is grad KL(pi || ref)"""
     d = ref_logp - logp
     if kind == "k2":
         return d * d / 2
     k3 = torch.exp(d) - d - 1
-    return k3 * torch.exp(logp - logp.detach()) if kind == "k3_ratio" else k3
+    if kind != "k3_ratio":
+        return k3
+    ratio = torch.exp(logp.detach() - (logp.detach() if old_logp is None else old_logp))
+    return ratio * (k3.detach() - d.detach() * (logp - logp.detach()))
 
 
 def aggregate_loss(loss, mask, mode: str, max_len: int, n_seqs=None, n_tokens=None):
@@ -831,7 +883,7 @@ def train_step(model, ref_model, opt, batch: dict, a: Args) -> dict:
             loss, clip_low, clip_high = policy_loss(logp, old, adv, m, a)
             # KL only where the mask is on: past EOS, exp(ref - logp) can overflow and its gradient would be NaN
             ref = torch.where(m > 0, ref_logp[j], logp.detach()) if a.beta > 0 else logp.detach()
-            loss = loss + a.beta * kl_penalty(logp, ref, a.kl)  # beta 0: adds exactly 0, value and gradient
+            loss = loss + a.beta * kl_penalty(logp, ref, a.kl, old)  # beta 0: adds exactly 0, value and gradient
             kl = kl_penalty(logp.detach(), ref)  # the metric: k3, an unbiased value of KL(pi || ref), for any --kl
             total = lambda part: aggregate_loss(loss, m * part, a.loss_agg, a.max_new_tokens, n_seqs, n_tokens)  # noqa
             if a.split_grads:  # seed 003: same normaliser; grads harvested and reset between the passes,
@@ -861,10 +913,12 @@ def train_step(model, ref_model, opt, batch: dict, a: Args) -> dict:
                    "grad/cos_student_teacher": (dot / (ns * nt).clamp(min=1e-30)).item()}
             for p, g in zip(params, edit_source_grads(g_s, g_t)):
                 p.grad = g
-        out["grad/norm"] = torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm or math.inf).item()
+        norm, s = torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm or math.inf).item(), all_sum(sums).tolist()
+        if not math.isfinite(norm + s[4]):  # never applied: the weights and the optimizer's state stay as they were
+            return {"train/not_finite": 1.0, "train/rows": s[6]}
+        out["grad/norm"] = norm
         opt.step()
         opt.zero_grad(set_to_none=True)
-    s = all_sum(sums).tolist()
     if not s[5]:  # no loss token this step (every group skipped): no policy metrics, rather than zeros
         return {**out, "train/rows": 0.0}
     return {**out, "loss": s[4] / s[5], "policy/entropy": s[0] / s[5], "loss/clipfrac_low": s[1] / s[5],
@@ -924,27 +978,64 @@ def evaluate(model, tok, examples: list[dict], a: Args, rank: int, world: int) -
     return out
 
 
-def find_checkpoint(output_dir: str) -> str | None:
-    """checkpoint/, else checkpoint.old/: the previous one, whole, if a save was killed between its renames."""
+def find_checkpoint(output_dir: str) -> tuple[str | None, list[str]]:
+    """The checkpoint --resume continues: checkpoint/, else checkpoint.old/ (the previous one, left whole when a
+    save was killed between its renames), the first that is whole; and what is wrong with those that are not."""
+    problems = []
     for name in ("checkpoint", "checkpoint.old"):
-        if os.path.isfile(os.path.join(output_dir, name, "trainer_state.pt")):
-            return os.path.join(output_dir, name)
-    return None
+        path = os.path.join(output_dir, name)
+        if os.path.isdir(path):
+            problem = checkpoint_problem(path)
+            if not problem:
+                return path, problems
+            problems.append(f"{path}/{problem}")
+    return None, problems
+
+
+def checkpoint_problem(path: str) -> str:
+    """'' when the checkpoint is whole: each JSON file parses, each safetensors file holds what its header says,
+    trainer_state.pt opens (mapped, not read). Else what is wrong, e.g. 'trainer_state.pt is missing'."""
+    from safetensors import safe_open
+    for name in ["grpo_args.json", "trainer_state.pt"] + sorted(os.listdir(path)):
+        file = os.path.join(path, name)
+        try:
+            if name.endswith(".json"):
+                with open(file) as f:
+                    json.load(f)
+            elif name.endswith(".safetensors"):
+                with safe_open(file, "pt"):
+                    pass
+            elif name.endswith(".pt"):
+                torch.load(file, mmap=True, weights_only=False)
+        except FileNotFoundError:
+            return f"{name} is missing"
+        except Exception as e:
+            return f"{name} is damaged ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
+    return ""
 
 
 def save(model, tok, a: Args, state: dict):
-    """checkpoint/: weights (adapter or model), tokenizer, grpo_args.json, trainer_state.pt (step, prompts
-    drawn, optimizer, every rank's RNG). Written to checkpoint.tmp/ and swapped in by two renames, so at
-    every instant one whole checkpoint exists: checkpoint/, or checkpoint.old/ between the renames (where
-    --resume looks next). The leftovers of a killed save are cleared by the next one."""
+    """checkpoint/: weights (adapter or model), tokenizer, grpo_args.json (the flags, the step, the base model's
+    fingerprint), trainer_state.pt (step, prompts drawn, optimizer, every rank's RNG). Written to checkpoint.tmp/
+    and swapped in by two renames, so at every instant one whole checkpoint exists: checkpoint/, or
+    checkpoint.old/ between the renames (where --resume looks next). The leftovers of a killed save are cleared
+    by the next one. Never from weights that are not finite; a failed write (a full disk) keeps the last one."""
+    if not all(p.isfinite().all() for p in model.parameters() if p.requires_grad):
+        fail(f"the weights are not finite at step {state['step']}: nothing saved over the last checkpoint")
     final = os.path.join(a.output_dir, "checkpoint")
     tmp, old = final + ".tmp", final + ".old"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    torch.save(state, os.path.join(tmp, "trainer_state.pt"))
-    with open(os.path.join(tmp, "grpo_args.json"), "w") as f:
-        json.dump({**dataclasses.asdict(a), "step": state["step"]}, f, indent=1)
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+        with open(os.path.join(tmp, "grpo_args.json"), "w") as f:
+            json.dump({**dataclasses.asdict(a), "step": state["step"], "base": getattr(model, "base", None)}, f)
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as "unexpected pos ..."
+        full = shutil.disk_usage(a.output_dir).free < 2 ** 24
+        shutil.rmtree(tmp, ignore_errors=True)
+        fail(f"saving step {state['step']} failed: {'the disk is full' if full else f'{type(e).__name__}: {e}'}; "
+             f"the last whole checkpoint is {find_checkpoint(a.output_dir)[0] or 'none'}")
     if os.path.isdir(final):
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
@@ -954,19 +1045,20 @@ def save(model, tok, a: Args, state: dict):
 
 def check_paths(a: Args):
     """Before anything is loaded or written: the output dir, and a local model directory."""
-    d = a.output_dir
-    if os.path.exists(d) and not os.path.isdir(d):
-        fail(f"--output-dir {d!r} is a file: pick a directory")
-    parent = os.path.abspath(d)
+    d, parent = a.output_dir, os.path.abspath(a.output_dir)
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        fail(f"--output-dir {d!r}: {parent} is a file: pick a directory")
     if not os.access(parent, os.W_OK):
         fail(f"--output-dir {d!r}: {parent} is not writable")
-    previous = [n for n in ("checkpoint", "checkpoint.old", "metrics.jsonl") if os.path.exists(os.path.join(d, n))
-                and (n != "metrics.jsonl" or os.path.getsize(os.path.join(d, n)))]
-    if previous and not (a.resume or a.overwrite):
+    previous = [n for n in ("checkpoint", "checkpoint.old") if os.path.exists(os.path.join(d, n))]
+    if previous and not (a.resume or a.overwrite):  # (metrics alone: a run that stopped before its first save)
         fail(f"--output-dir {d!r} holds a previous run ({', '.join(previous)}): add --resume to continue it, "
              f"--overwrite to start over, or pick another --output-dir")
+    if os.path.isfile(os.path.join(a.model, "adapter_config.json")):
+        fail(f"--model {a.model!r} is a LoRA adapter, not a model: --resume --output-dir continues the run that "
+             f"saved it; to start from it, save PeftModel.from_pretrained(base, it).merge_and_unload() first")
     if os.path.isdir(a.model):
         if not any(os.path.isfile(os.path.join(a.model, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
             fail(f"--model {a.model!r} has no tokenizer (tokenizer.json): save it beside the weights")
@@ -974,12 +1066,29 @@ def check_paths(a: Args):
         fail(f"--model {a.model!r}: no such directory")
 
 
+def lock(output_dir: str):
+    """One run per output dir: an exclusive lock on output_dir/.lock for the run's life (the OS releases it
+    however the process ends). A second run fails, naming the first one's PID."""
+    import fcntl
+    f = open(os.path.join(output_dir, ".lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        fail(f"--output-dir {output_dir!r} is in use by a run (PID {f.read().strip() or '?'}): wait for it or stop it")
+    f.truncate(0)
+    f.write(str(os.getpid()))
+    f.flush()
+    return f
+
+
 def open_log(a: Args, name: str, step: int):
-    """A JSONL log in the output dir; on --resume it keeps the saved run's rows up to its checkpoint's step."""
+    """A JSONL log in the output dir; on --resume it keeps the saved run's rows up to its checkpoint's step (and
+    drops a partial last line, which a crash mid-write leaves)."""
     path = os.path.join(a.output_dir, name)
     rows = open(path).readlines() if a.resume and os.path.exists(path) else []
     with open(path + ".tmp", "w") as f:
-        f.writelines(row for row in rows if row.strip() and json.loads(row)["step"] <= step)
+        f.writelines(row for row in rows if row.endswith("}\n") and json.loads(row)["step"] <= step)
     os.replace(path + ".tmp", path)
     return open(path, "a", buffering=1)  # line-buffered: each row is on disk once written
 
@@ -990,6 +1099,9 @@ def main(argv=None):
         print(json.dumps(dataclasses.asdict(a), indent=1))
         print(describe_objective(a))
         return
+    ckpt = find_checkpoint(a.output_dir)[0] if a.resume else None
+    if ckpt and json.load(open(os.path.join(ckpt, "grpo_args.json")))["step"] >= a.max_steps:
+        return print(f"grpo: the run in {a.output_dir} has done its --max-steps {a.max_steps}: raise it to go on")
     check_paths(a)
     rank, world, device = setup_distributed()
     if a.prompts_per_step % world:
@@ -997,13 +1109,17 @@ def main(argv=None):
     train, evals = load_data(a)
     pool = load_teacher_pool(a, train) if a.teacher_pool else None
     reward_fns = build_rewards(a)
-    score([train[0]["answer"], ""], [train[0]["answer"]] * 2, [1, 1], reward_fns, a)  # fail early, not at step 1
+    score([train[0]["answer"], ""], [train[0]] * 2, [1, 1], reward_fns, a)  # fail early, not at step 1
     if a.wandb_project and rank == 0 and importlib.util.find_spec("wandb") is None:
         fail("--wandb-project needs `pip install wandb`")
     random.seed(a.seed)
     torch.manual_seed(a.seed)  # same LoRA init on every rank
-    ckpt = find_checkpoint(a.output_dir) if a.resume else None
     model, tok, ref_model = load_model(a, device, ckpt)
+    longest = max(len(ids) for ids in tok([chat_prompt(tok, ex["prompt"], a.system_prompt) for ex in train + evals],
+                                          add_special_tokens=not tok.chat_template).input_ids)
+    if longest + a.max_new_tokens > getattr(model.config, "max_position_embeddings", math.inf):
+        fail(f"the longest prompt is {longest} tokens (chat template included): with --max-new-tokens "
+             f"{a.max_new_tokens} that passes the model's {model.config.max_position_embeddings} positions")
     opt = make_optimizer(a, model)
     torch.manual_seed(a.seed + 1000 * rank)  # sampling differs per rank, repeats per run
     teacher_rng = random.Random(a.seed + 1000 * rank)
@@ -1019,23 +1135,34 @@ def main(argv=None):
             torch.cuda.set_rng_state(cuda)
         done = {k: state[k] for k in done}
     stream = prompt_stream(train, a.seed, done["prompts_drawn"])
-    # every check has passed: only now is the output dir written
+    # every check has passed: only now is the output dir written, and by one run at a time
     os.makedirs(a.output_dir, exist_ok=True)
+    held = lock(a.output_dir) if rank == 0 else None  # noqa: F841 (held for the run's life)
     if a.overwrite and rank == 0:
-        for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old"):
+        for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old", "samples.jsonl"):
             shutil.rmtree(os.path.join(a.output_dir, name), ignore_errors=True)
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                os.remove(os.path.join(a.output_dir, name))
     log = open_log(a, "metrics.jsonl", done["step"]) if rank == 0 else None
     samples = open_log(a, "samples.jsonl", done["step"]) if rank == 0 and a.log_samples else None
     if a.wandb_project and rank == 0:
         import wandb
         wandb.init(project=a.wandb_project, config=dataclasses.asdict(a))
-    stop = []  # Ctrl-C or SIGTERM: finish this step, save, exit; a second one stops at once
+    stop = []  # Ctrl-C or SIGTERM: finish this step, save, exit 128 + signal; a second one stops at once
+    where = f"{os.path.join(a.output_dir, 'checkpoint')}; metrics in {os.path.join(a.output_dir, 'metrics.jsonl')}"
+
+    def on_signal(sig, _):
+        if stop:  # the checkpoint on disk is whole at every instant (see save)
+            print(f"\ngrpo: stopped at once; the last checkpoint is in {where}", file=sys.stderr)
+            os._exit(128 + sig)
+        stop.append(sig)
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.append(1) if not stop else signal.default_int_handler(*_))
+        signal.signal(sig, on_signal)
+    if a.eval_every and not evals and rank == 0:
+        print(f"grpo: note: no held-out prompts, so no evaluation: give --eval-dataset", file=sys.stderr)
     from tqdm import tqdm
     bar = tqdm(range(done["step"] + 1, a.max_steps + 1), disable=rank != 0, desc=f"{a.algo}", dynamic_ncols=True)
-    where = f"{os.path.join(a.output_dir, 'checkpoint')}; metrics in {os.path.join(a.output_dir, 'metrics.jsonl')}"
-    start, training, warned = done["step"], False, set()
+    start, busy, warned, bad_steps = done["step"], "", set(), 0
     if a.eval_every and evals and start == 0:  # where the run starts from, as papers report it
         m = evaluate(model, tok, evals, a, rank, world)
         if rank == 0:
@@ -1047,10 +1174,16 @@ def main(argv=None):
             if step == start + 1 and rank == 0:  # a broken reward or chat template shows here, not an hour later
                 bar.write(sample_table(sample_rows(generated[:1], step)), sys.stderr)
             t1 = time.time()
-            training = True
+            for g in opt.param_groups:  # linear warm-up to the learning rate, then constant
+                g["lr"] = a.learning_rate * min(1, step / max(1, a.warmup_steps))
+            busy = "train"
             if m["groups/kept"]:  # the same on every rank; 0 when dynamic sampling kept nothing by its cap
                 m.update(train_step(model, ref_model, opt, collate(groups, tok.pad_token_id, device), a))
-            training = False
+            busy = ""
+            bad_steps = bad_steps + 1 if "train/not_finite" in m else 0
+            if bad_steps == 3:
+                fail(f"3 steps in a row had a loss or gradient that was not finite, and none was applied: lower "
+                     f"--learning-rate, or check the rewards and --log-samples")
             cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None  # every random state a step uses
             done = {"step": step, "prompts_drawn": done["prompts_drawn"] + m["groups/gen_rounds"] * a.prompts_per_step,
                     "rng": all_gather((torch.get_rng_state(), cuda, random.getstate(), teacher_rng.getstate()))}
@@ -1068,7 +1201,8 @@ def main(argv=None):
                         (m["completion/truncated_frac"] > 0.5, f"more than half the completions hit --max-new-tokens "
                          f"{a.max_new_tokens}; a cut-off answer usually scores 0: raise it"),
                         (m["groups/equal_frac"] == 1, "every group had equal rewards, so no learning signal: check "
-                         "the reward on the table above (or --log-samples), or the task's difficulty")]:
+                         "the reward on the table above (or --log-samples), or the task's difficulty"),
+                        ("train/not_finite" in m, "the loss or gradient was not finite: the step was not applied")]:
                     if bad and msg not in warned:  # once per run, each
                         warned.add(msg)
                         bar.write(f"grpo: warning: step {step}: {msg}", sys.stderr)
@@ -1076,12 +1210,14 @@ def main(argv=None):
                     wandb.log(m, step=step)
                 bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{m.get('accuracy', 0):.2f}")
                 if (a.save_every and step % a.save_every == 0) or step == a.max_steps or stopping:
+                    busy = "save"
                     save(model, tok, a, {**done, "optimizer": opt.state_dict()})
+                    busy = ""
             if stopping:
                 break
-    except (Exception, SystemExit) as e:  # a reward that raises or is not finite, an error in the step: keep
-        if rank != 0 or done["step"] == start or (training and a.num_iterations > 1):  # the last completed
-            raise  # step, if there is a new one and the weights are not half-updated
+    except (Exception, SystemExit) as e:  # keep the last completed step, if there is a new one, the weights are
+        if rank != 0 or done["step"] == start or busy == "save" or (busy == "train" and a.num_iterations > 1):
+            raise  # not half-updated and this is not the save failing
         save(model, tok, a, {**done, "optimizer": opt.state_dict()})
         if isinstance(e, SystemExit):
             raise SystemExit(f"{e} (step {done['step']} saved in {where})") from None
@@ -1091,10 +1227,13 @@ def main(argv=None):
         for f in (log, samples):
             if f:
                 f.close()
-    if rank == 0:
-        print(f"grpo: step {done['step']} saved in {where}")
     if dist.is_initialized():
         dist.destroy_process_group()
+    if rank == 0:
+        print(f"grpo: stopped at step {done['step']} of {a.max_steps}: --resume to continue ({where})" if stop
+              else f"grpo: step {done['step']} saved in {where}")
+    if stop:  # preempted: the status a scheduler reads as "killed by that signal"
+        raise SystemExit(128 + stop[0])
 
 
 if __name__ == "__main__":
