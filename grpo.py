@@ -215,11 +215,11 @@ def parse_args(argv=None) -> Args:
 def resume_from(output_dir: str) -> str:
     """The whole checkpoint --resume continues, or one line saying why there is none."""
     ckpt, problems = find_checkpoint(output_dir)
-    if problems:
-        print(f"grpo: warning: {problems[0]}" + (f"; continuing from {ckpt}" if ckpt else ""), file=sys.stderr)
-    return ckpt or fail(f"--resume: no whole checkpoint in {output_dir!r}" + (
-        ": --overwrite to start over" if problems else " (a run that stopped before its first save leaves none): "
-        "start it again without --resume"))
+    if ckpt and problems:
+        print(f"grpo: warning: {problems[0]}; continuing from {ckpt}", file=sys.stderr)
+    return ckpt or fail(f"--resume: no checkpoint to continue in {output_dir!r}: " + (
+        "; ".join(problems) + " (--overwrite starts over)" if problems else
+        "a run that stopped before its first save leaves none; start it again without --resume"))
 
 
 def check_args(a: Args):
