@@ -1174,8 +1174,9 @@ def main(argv=None):
             if step == start + 1 and rank == 0:  # a broken reward or chat template shows here, not an hour later
                 bar.write(sample_table(sample_rows(generated[:1], step)), sys.stderr)
             t1 = time.time()
-            for g in opt.param_groups:  # linear warm-up to the learning rate, then constant
-                g["lr"] = a.learning_rate * min(1, step / max(1, a.warmup_steps))
+            m["lr"] = a.learning_rate * min(1, step / max(1, a.warmup_steps))  # linear warm-up, then constant
+            for g in opt.param_groups:
+                g["lr"] = m["lr"]
             busy = "train"
             if m["groups/kept"]:  # the same on every rank; 0 when dynamic sampling kept nothing by its cap
                 m.update(train_step(model, ref_model, opt, collate(groups, tok.pad_token_id, device), a))

@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -528,6 +529,9 @@ def write(path, lines):
     (['{"prompt": "a", "answer": "1"}', '{"prompt": "b", "answer": '], "bad.jsonl:2: not valid JSON"),
     (['{"prompt": "a", "answer": "1"}', '{"prompt": "b"}'], "bad.jsonl:2: each line needs the fields prompt, answer"),
     (["", "  "], "bad.jsonl: no examples"),
+    (['[{"prompt": "a", "answer": "1"}]'], "bad.jsonl:1: each line needs the fields prompt, answer .one JSON object"),
+    (["[", '{"prompt": "a", "answer": "1"}', "]"], "bad.jsonl:1: not valid JSON .*JSONL is one JSON object per line"),
+    (['{"prompt": ["a"], "answer": "1"}'], r"bad.jsonl:1: prompt must be a non-empty string, not \['a'\]"),
 ])
 def test_bad_dataset_names_file_and_line(tmp_path, lines, says):
     with pytest.raises(SystemExit, match=says):
@@ -1022,13 +1026,17 @@ def pool_lines(prompts, n=2, reward="1.0"):
     ("absent", "1 training prompts have fewer than --teacher-per-group 3 completions in .*pool.jsonl "
                r"\(e.g. 'p3' has 0\).*--dataset"),
     ("short", "3 training prompts have fewer than --teacher-per-group 3 .* 'p1' has 2.* lower --teacher-per-group"),
+    ("prompt list", r"pool.jsonl:1: prompt must be a non-empty string, not \['p1'\]"),
+    ("completion null", "pool.jsonl:1: completion must be a non-empty string, not None"),
 ])
 def test_bad_pool_is_a_clear_error_before_training(tmp_path, case, says):
     prompts = ["p1", "p2", "p3"]
     data = write(tmp_path / "data.jsonl", [json.dumps({"prompt": p, "answer": "1"}) for p in prompts])
     lines = {"missing": ['{"prompt": "p1", "completion": "x"}'], "nan": pool_lines(prompts, reward="nan"),
              "bad": pool_lines(prompts, reward="bad"), "absent": pool_lines(prompts[:2], n=3),
-             "short": pool_lines(prompts, n=2)}[case]
+             "short": pool_lines(prompts, n=2),
+             "prompt list": ['{"prompt": ["p1"], "completion": "x", "reward": 1}'],
+             "completion null": ['{"prompt": "p1", "completion": null, "reward": 1}']}[case]
     pool = write(tmp_path / "pool.jsonl", lines)
     with pytest.raises(SystemExit, match=says):
         grpo.main(["--dataset", data, "--teacher-pool", pool, "--teacher-per-group", "3", "--model", "no-such/model",
@@ -1227,6 +1235,11 @@ def write_data(tmp_path, lines, name="d.jsonl", raw=None):
     ("output dir is a file", "--output-dir .* is a file"),
     ("reward import fails", "--reward-fn: importing .*rw.py raised ZeroDivisionError"),
     ("reward calls sys.exit", "reward 'r' raised SystemExit"),
+    ("output dir under a file", "--output-dir .*: .*/f is a file"),
+    ("prompt too long", "the longest prompt is 4[0-9]{3} tokens .chat template included.: with --max-new-tokens 12 "
+                        "that passes the model's 4096 positions"),
+    ("model is an adapter", "--model .* is a LoRA adapter, not a model: --resume --output-dir continues"),
+    ("rewards weight nan", "--rewards: weight 'nan' of 'correct' is not a finite number"),
 ])
 def test_every_input_is_checked_before_anything_is_touched(tiny_dir, tmp_path, case, says):
     out = tmp_path / "out"
@@ -1253,6 +1266,17 @@ def test_every_input_is_checked_before_anything_is_touched(tiny_dir, tmp_path, c
         argv[1] = "./no/such/dir"
     elif case == "output dir is a file":
         out.write_text("x")
+    elif case == "output dir under a file":
+        (tmp_path / "f").write_text("x")
+        argv[3] = str(out := tmp_path / "f" / "sub")
+    elif case == "prompt too long":
+        argv += ["--dataset", write_data(tmp_path, [{"prompt": "x" * 4000, "answer": "1"}])]
+    elif case == "model is an adapter":
+        (tmp_path / "m").mkdir()
+        (tmp_path / "m" / "adapter_config.json").write_text("{}")
+        argv[1] = str(tmp_path / "m")
+    elif case == "rewards weight nan":
+        argv += ["--rewards", "correct:nan"]
     else:
         body = "1 / 0\n" if case == "reward import fails" else "import sys\ndef r(c, a):\n    sys.exit(3)\n"
         (tmp_path / "rw.py").write_text(body)
@@ -1273,6 +1297,10 @@ def test_every_input_is_checked_before_anything_is_touched(tiny_dir, tmp_path, c
     ("--sapo-tau-neg", "0", "--sapo-tau-neg"),
     ("--dual-clip", "1", "--dual-clip c .* needs c > 1"), ("--beta", "-0.1", "--beta must be at least 0"),
     ("--eps-high", "-0.1", "--eps-high must be at least 0"), ("--eval-prompts", "0", "--eval-prompts must be at least 1"),
+    ("--learning-rate", "nan", "--learning-rate must be a finite number, not nan"), ("--temperature", "nan", "finite"),
+    ("--beta", "inf", "--beta must be a finite number, not inf"), ("--max-grad-norm", "nan", "--max-grad-norm .* finite"),
+    ("--std-eps", "0", "--std-eps must be > 0"), ("--lora-alpha", "0", "--lora-alpha must be > 0"),
+    ("--eps-low", "1", r"--eps-low must be in \[0, 1\)"), ("--warmup-steps", "-1", "--warmup-steps must be at least 0"),
 ])
 def test_out_of_range_flags_fail_with_their_name(flag, value, says):
     extra = ["--teacher-pool", "p.jsonl", "--teacher-per-group", "2"] if flag == "--num-generations" else []
@@ -1374,3 +1402,230 @@ def test_frozen_head_log_probs_and_gradient_equal_autograd():
     assert torch.allclose(logp.double(), z.gather(-1, t[:, None])[:, 0], atol=1e-5)  # fp32 inside
     assert torch.allclose(entropy.double(), -(z.exp() * z).sum(-1), atol=1e-4)
     assert torch.allclose(grad, want, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- never poison a run
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_k3_ratio_gradient_is_exactly_minus_d(dtype):
+    """k3_ratio's gradient at ratio 1 is -d, d = ref - logp (TRL's and verl's "k3+" gradient), for any |d|:
+    differentiated as (1 - e^d) + (e^d - d - 1) it was 0 at d = 22 in fp32 and -32 at d = 40 in fp64."""
+    for d in [-40.0, -22.0, -5.0, -0.5, 0.5, 5.0, 17.0, 22.0, 30.0, 40.0]:
+        logp = torch.tensor([-3.0], dtype=dtype, requires_grad=True)
+        value = grpo.kl_penalty(logp, logp.detach() + d, "k3_ratio")
+        value.backward()
+        assert logp.grad.item() == -d
+        assert value.item() == pytest.approx(math.exp(d) - d - 1, rel=1e-6)
+
+
+def test_k3_ratio_is_weighted_by_the_policy_ratio_off_policy():
+    """After the first inner update (num_iterations > 1) the weight is pi / pi_old: value r k3, gradient -r d."""
+    logp, old, ref = torch.tensor([-1.0], requires_grad=True), torch.tensor([-1.5]), torch.tensor([-2.0])
+    value = grpo.kl_penalty(logp, ref, "k3_ratio", old)
+    value.backward()
+    r, d = math.exp(0.5), -1.0
+    assert value.item() == pytest.approx(r * (math.exp(d) - d - 1)) and logp.grad.item() == pytest.approx(-r * d)
+
+
+def test_a_reward_beyond_float32_or_a_non_finite_weight_stops_the_run(tmp_path):
+    a = grpo.parse_args([])
+    big = [("big", lambda c, ans, **kw: 3.5e38, 1.0)]  # finite in Python, inf in float32
+    with pytest.raises(SystemExit, match="reward 'big' returned 3.5e[+]?38 .* finite in float32"):
+        grpo.score(["x"], [{"prompt": "p", "answer": "1"}], [1], big, a)
+    with pytest.raises(SystemExit, match="weighted sum of the rewards is not finite"):
+        grpo.score(["x"], [{"prompt": "p", "answer": "1"}], [1], [("big", lambda c, ans: 3e38, 1e3)], a)
+    for w in ("nan", "inf", "x"):
+        with pytest.raises(SystemExit, match=f"weight '{w}' of 'correct' is not a finite number"):
+            grpo.build_rewards(grpo.parse_args(["--rewards", f"correct:{w}"]))
+
+
+def test_a_non_finite_step_is_not_applied(loaded):
+    """NaN advantages: no update, the optimizer's state untouched, the step flagged and its metrics left out."""
+    a, model, tok = loaded
+    model = copy.deepcopy(model)
+    opt = grpo.make_optimizer(a, model)
+    groups = tiny.fixed_groups(tok, [[1.0, 0.0, 0.5, 0.2]], a)
+    grpo.train_step(model, None, opt, grpo.collate(groups, tok.pad_token_id, "cpu"), a)  # a state to keep
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state = copy.deepcopy(opt.state_dict())
+    groups[0]["adv"] = torch.tensor([float("nan"), 1.0, -1.0, 0.0])
+    m = grpo.train_step(model, None, opt, grpo.collate(groups, tok.pad_token_id, "cpu"), a)
+    assert m["train/not_finite"] == 1.0 and "grad/norm" not in m and "loss" not in m
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    after = opt.state_dict()
+    assert all(torch.equal(state["state"][i][k], after["state"][i][k]) for i in state["state"] for k in state["state"][i])
+
+
+def test_no_checkpoint_is_written_from_weights_that_are_not_finite(loaded, tmp_path):
+    a, model, tok = loaded
+    a = replace(a, output_dir=str(tmp_path))
+    grpo.save(model, tok, a, {"step": 1, "prompts_drawn": 0, "rng": [], "optimizer": {}})
+    model = copy.deepcopy(model)
+    next(p for p in model.parameters() if p.requires_grad).data[0, 0] = float("nan")
+    with pytest.raises(SystemExit, match="weights are not finite at step 2: nothing saved"):
+        grpo.save(model, tok, a, {"step": 2, "prompts_drawn": 0, "rng": [], "optimizer": {}})
+    assert json.load(open(tmp_path / "checkpoint" / "grpo_args.json"))["step"] == 1
+
+
+NAN_AFTER_TWO_STEPS = """import sys
+g = sys.modules["__main__"]  # grpo.py itself: poison its loss from step 3 on, as an overflow would
+calls, real = [0], g.policy_loss
+def poisoned(logp, *args):
+    loss, low, high = real(logp, *args)
+    return (loss * float("nan") if calls[0] > 2 + 2 * 8 else loss), low, high
+g.policy_loss = poisoned
+def r(c, a, **kw):
+    calls[0] += 1
+    return sum(ch.isdigit() for ch in c) / 10
+"""
+
+
+def test_a_run_of_non_finite_steps_stops_and_keeps_the_last_finite_weights(tiny_dir, tmp_path):
+    (tmp_path / "rw.py").write_text(NAN_AFTER_TWO_STEPS)
+    common = ["--model", tiny_dir, "--save-every", "0", "--reward-fn", f"{tmp_path}/rw.py:r"] + TINY
+    run(common + ["--output-dir", str(tmp_path / "two"), "--max-steps", "2"])
+    p = run(common + ["--output-dir", str(tmp_path / "bad"), "--max-steps", "9"], check=False)
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith("grpo: error: 3 steps in a row had a loss or gradient that "
+                                                        "was not finite, and none was applied")
+    assert "(step 4 saved in" in p.stderr and "step 3: the loss or gradient was not finite" in p.stderr
+    rows = metrics(str(tmp_path / "bad"))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["train/not_finite"] == 1 for r in rows[2:])
+    a, b = trained(str(tmp_path / "two")), trained(str(tmp_path / "bad"))
+    assert all(torch.equal(a[k], b[k]) for k in a)  # steps 3-5 were never applied
+
+
+def test_damaged_checkpoints_are_diagnosed_and_a_whole_old_one_is_used(tiny_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    run(["--model", tiny_dir, "--max-steps", "1", "--output-dir", str(out)] + TINY)
+    good = tmp_path / "good"
+    shutil.copytree(out / "checkpoint", good)
+    for name, damage, says in [("trainer_state.pt", "cut", "trainer_state.pt is damaged"),
+                               ("adapter_model.safetensors", "cut", "adapter_model.safetensors is damaged"),
+                               ("grpo_args.json", "cut", "grpo_args.json is damaged"),
+                               ("adapter_config.json", "cut", "adapter_config.json is damaged"),
+                               ("trainer_state.pt", "delete", "trainer_state.pt is missing")]:
+        shutil.rmtree(out / "checkpoint")
+        shutil.copytree(good, out / "checkpoint")
+        file = out / "checkpoint" / name
+        file.unlink() if damage == "delete" else file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
+        with pytest.raises(SystemExit, match=f"--resume: no checkpoint to continue in .*checkpoint/{says}"):
+            grpo.parse_args(["--output-dir", str(out), "--resume", "--max-steps", "3"])
+        shutil.copytree(good, out / "checkpoint.old")  # a whole previous one: --resume continues it, and says so
+        assert grpo.parse_args(["--output-dir", str(out), "--resume", "--max-steps", "3"]).max_steps == 3
+        err = capsys.readouterr().err
+        assert f"checkpoint/{says}" in err and err.strip().endswith(f"; continuing from {out}/checkpoint.old")
+        shutil.rmtree(out / "checkpoint.old")
+
+
+def test_resume_checks_the_base_model_and_reads_a_partial_metrics_line(tmp_path):
+    base = tiny.make_tiny(str(tmp_path / "base"))
+    out = str(tmp_path / "out")
+    run(["--model", base, "--max-steps", "1", "--output-dir", out] + TINY)
+    with open(out + "/metrics.jsonl", "a") as f:
+        f.write('{"step": 2, "reward/me')  # what a crash mid-write leaves
+    shutil.copytree(base, tmp_path / "saved_base")
+    for other in (dict(seed=1), dict(hidden=32)):  # the same shapes with other weights; other shapes
+        shutil.rmtree(base)
+        tiny.make_tiny(base, **other)
+        with pytest.raises(SystemExit, match="--resume: --model .* is not the base model the saved run trained"):
+            grpo.main(["--output-dir", out, "--resume", "--max-steps", "2"])
+    shutil.rmtree(base)
+    shutil.copytree(tmp_path / "saved_base", base)
+    run(["--output-dir", out, "--resume", "--max-steps", "2"])
+    assert [r["step"] for r in metrics(out)] == [1, 2]
+
+
+def test_a_full_disk_during_a_save_says_so_and_keeps_the_last_checkpoint(loaded, tmp_path, monkeypatch):
+    a, model, tok = loaded
+    a = replace(a, output_dir=str(tmp_path))
+    grpo.save(model, tok, a, {"step": 1, "prompts_drawn": 0, "rng": [], "optimizer": {}})
+
+    def full(*args, **kw):
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
+    monkeypatch.setattr(grpo.torch, "save", full)
+    monkeypatch.setattr(grpo.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(100, 100, 0))
+    with pytest.raises(SystemExit, match=f"saving step 2 failed: the disk is full; the last whole checkpoint is "
+                                         f"{tmp_path}/checkpoint$"):
+        grpo.save(model, tok, a, {"step": 2, "prompts_drawn": 0, "rng": [], "optimizer": {}})
+    assert not (tmp_path / "checkpoint.tmp").exists()
+    assert json.load(open(tmp_path / "checkpoint" / "grpo_args.json"))["step"] == 1
+
+
+def wait_for_a_step(p, out):
+    deadline = time.time() + 120
+    while not (os.path.exists(out + "/metrics.jsonl") and os.path.getsize(out + "/metrics.jsonl")):
+        assert time.time() < deadline and p.poll() is None, p.stderr.read() if p.poll() is not None else "timeout"
+        time.sleep(0.2)
+
+
+def test_one_run_per_output_dir_and_a_second_signal_stops_at_once(tiny_dir, tmp_path):
+    out = str(tmp_path / "out")
+    argv = [sys.executable, os.path.join(HERE, "grpo.py"), "--model", tiny_dir, "--output-dir", out] + TINY
+    first = subprocess.Popen(argv + ["--max-steps", "10000", "--save-every", "1"], cwd=HERE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    wait_for_a_step(first, out)
+    while not os.path.exists(out + "/checkpoint"):
+        time.sleep(0.2)
+    rows = len(metrics(out))
+    second = run(["--output-dir", out, "--resume", "--max-steps", "20000"], check=False)
+    assert second.returncode == 1
+    assert second.stderr.strip().splitlines()[-1] == f"grpo: error: --output-dir {out!r} is in use by a run (PID {first.pid}): " \
+                                    f"wait for it or stop it"
+    assert len(metrics(out)) >= rows and first.poll() is None  # the first run goes on, its log intact
+    first.send_signal(signal.SIGTERM)
+    time.sleep(0.05)
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=60) == 128 + signal.SIGTERM
+    err = first.stderr.read()
+    assert "grpo: stopped at once; the last checkpoint is in" in err and "Traceback" not in err
+    grpo.parse_args(["--output-dir", out, "--resume", "--max-steps", "20000"])  # whole, after a stop at once
+
+
+def test_a_run_that_stopped_before_its_first_save_does_not_block_its_folder(tiny_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 0, "eval/accuracy": 0.0}\n')
+    with pytest.raises(SystemExit, match="no checkpoint to continue .* stopped before its first save leaves none; start "
+                                         "it again without --resume"):
+        grpo.parse_args(["--output-dir", str(out), "--resume"])
+    (out / "samples.jsonl").write_text('{"step": 1}\n')
+    run(["--model", tiny_dir, "--max-steps", "1", "--output-dir", str(out)] + TINY)
+    assert [r["step"] for r in metrics(str(out), with_step_0=True)] == [0, 1]
+    p = run(["--output-dir", str(out), "--resume", "--max-steps", "1"])  # nothing left: says so, touches nothing
+    assert p.stdout.strip() == f"grpo: the run in {out} has done its --max-steps 1: raise it to go on"
+    run(["--model", tiny_dir, "--max-steps", "1", "--output-dir", str(out), "--overwrite"] + TINY)
+    assert not (out / "samples.jsonl").exists()  # --overwrite leaves nothing of the previous run
+
+
+def test_reward_functions_get_the_record_s_fields(tmp_path):
+    a = grpo.parse_args([])
+    seen = []
+    fns = [("all", lambda c, ans, **kw: seen.append(("all", ans, kw)) or 1.0, 1.0),
+           ("some", lambda c, ans, prompt: seen.append(("some", ans, prompt)) or 2.0, 1.0),
+           ("none", lambda c, ans: 3.0, 1.0)]
+    ex = {"prompt": "Write f.", "answer": "", "tests": ["assert f() == 1"]}
+    total, _ = grpo.score(["def f(): return 1"], [ex], [5], fns, a)
+    assert total.item() == 6.0
+    assert seen == [("all", "", {"prompt": "Write f.", "tests": ["assert f() == 1"]}), ("some", "", "Write f.")]
+    path = write_data(tmp_path, [ex])
+    assert grpo.load_examples(path, graded=False) == [ex]
+
+
+def test_warmup_raises_the_learning_rate_linearly_then_holds(tiny_dir, tmp_path):
+    out = str(tmp_path / "out")
+    run(["--model", tiny_dir, "--max-steps", "5", "--warmup-steps", "4", "--output-dir", out] + TINY)
+    assert [r["lr"] for r in metrics(out)] == pytest.approx([1e-3 * k / 4 for k in (1, 2, 3, 4, 4)])
+
+
+def test_gsm8k_offline_is_one_line(monkeypatch):
+    fake = type(sys)("datasets")
+    fake.load_dataset = lambda *a, **kw: (_ for _ in ()).throw(ConnectionError("Couldn't reach the hub"))
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    with pytest.raises(SystemExit, match="--dataset gsm8k: loading openai/gsm8k failed .ConnectionError.; offline"):
+        grpo.load_data(grpo.parse_args(["--dataset", "gsm8k"]))
+
+
+def test_eval_dataset_is_used_with_any_dataset(tmp_path):
+    evals = write_data(tmp_path, [{"prompt": "held out?", "answer": "1"}], name="e.jsonl")
+    train, ev = grpo.load_data(grpo.parse_args(["--eval-dataset", evals]))
+    assert len(train) == 20000 and ev == [{"prompt": "held out?", "answer": "1"}]
