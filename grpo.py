@@ -112,7 +112,7 @@ class Args:
     # data
     dataset: str = flag("", "'' built-in arithmetic | gsm8k (needs `datasets`) | JSONL: question/answer, prompt/answer")
     eval_dataset: str = flag("", "JSONL of held-out prompts (gsm8k and the built-in task have their own)")
-    eval_every: int = flag(50, "steps between evaluations, also before the first and at the last (0: never)", within=GE0)
+    eval_every: int = flag(50, "steps between evaluations, also before the first and the last (0: never)", within=GE0)
     eval_samples: int = flag(0, "k: sample k completions per held-out prompt too, for mean@k and pass@k", within=GE0)
     eval_prompts: int = flag(64, "held-out prompts per evaluation", within=GE1)
     system_prompt: str = flag("Please reason step by step, and put your final answer within \\boxed{}.",
@@ -167,7 +167,7 @@ class Args:
     optim: str = flag("adamw_torch", "AdamW: torch's, or bitsandbytes' 8-bit or paged 8-bit",
                       ("adamw_torch", "adamw_8bit", "paged_adamw_8bit"))
     learning_rate: float = flag(2e-5, "AdamW learning rate", within=GT0)
-    warmup_steps: int = flag(0, "linear warm-up of the learning rate over N steps, then constant (DAPO: 20)", within=GE0)
+    warmup_steps: int = flag(0, "linear warm-up of the learning rate over N steps (DAPO: 20)", within=GE0)
     weight_decay: float = flag(0.0, "AdamW weight decay", within=GE0)
     max_grad_norm: float = flag(1.0, "clip the gradient norm (0: no clipping)", within=GE0)
 
@@ -195,7 +195,13 @@ def parse_args(argv=None) -> Args:
     given = vars(parser.parse_args(argv))
     defaults = PRESETS[given.get("algo", Args.algo)]  # a preset is defaults; an explicit flag wins
     if given.get("resume"):  # the saved run's flags are the defaults; only run-length flags may differ
-        ckpt = resume_from(given.get("output_dir", Args.output_dir))
+        d = given.get("output_dir", Args.output_dir)
+        ckpt, problems = find_checkpoint(d)
+        if not ckpt:
+            fail(f"--resume: no checkpoint to continue in {d!r}: " + ("; ".join(problems) + " (--overwrite starts over)"
+                 if problems else "a run that stopped before its first save leaves none; start it without --resume"))
+        if problems:
+            print(f"grpo: warning: {problems[0]}; continuing from {ckpt}", file=sys.stderr)
         with open(os.path.join(ckpt, "grpo_args.json")) as f:
             defaults = {k: v for k, v in json.load(f).items() if k in Args.__dataclass_fields__}
         for k, v in given.items():
@@ -212,16 +218,6 @@ def parse_args(argv=None) -> Args:
     return args
 
 
-def resume_from(output_dir: str) -> str:
-    """The whole checkpoint --resume continues, or one line saying why there is none."""
-    ckpt, problems = find_checkpoint(output_dir)
-    if ckpt and problems:
-        print(f"grpo: warning: {problems[0]}; continuing from {ckpt}", file=sys.stderr)
-    return ckpt or fail(f"--resume: no checkpoint to continue in {output_dir!r}: " + (
-        "; ".join(problems) + " (--overwrite starts over)" if problems else
-        "a run that stopped before its first save leaves none; start it again without --resume"))
-
-
 def check_args(a: Args):
     """Impossible flags and combinations fail here, the first one found, with what to change."""
     for f in dataclasses.fields(a):  # argparse checked the choices; here each flag's interval
@@ -230,8 +226,8 @@ def check_args(a: Args):
             fail(f"{dash(f.name)} must be a finite number, not {v}")
         lo, hi = map(float, within[1:-1].split(",")) if within else (0, 0)
         if within and not ((lo < v if within[:1] == "(" else lo <= v) and (v < hi if within[-1:] == ")" else v <= hi)):
-            fail(f"{dash(f.name)} must be " + (f"in {within}" if hi < math.inf else f"at least {lo:g}" if within[0] == "["
-                                               else f"> {lo:g}"))
+            fail(f"{dash(f.name)} must be " + (f"in {within}" if hi < math.inf else f"at least {lo:g}"
+                                               if within[0] == "[" else f"> {lo:g}"))
     for bad, msg in [
             (a.dual_clip and (a.dual_clip <= 1 or a.surrogate != "clip"),
              "--dual-clip c caps the clipped surrogate's loss at c |A|: it needs c > 1 and --surrogate clip"),
@@ -437,10 +433,11 @@ def load_model(a: Args, device: torch.device, resume: str | None = None):
         kw["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                        bnb_4bit_compute_dtype=dtype, bnb_4bit_use_double_quant=True)
     model = AutoModelForCausalLM.from_pretrained(resume if resume and a.lora_r == 0 else a.model, **kw)
-    # which base the run trains, saved with it: on --resume a different model at the same path is an error here,
-    # not a traceback in peft (other shapes) or a run that goes on silently (other weights)
+    # which base the run trains (each tensor's shape and first values, in bf16 whatever the dtype), saved with it:
+    # on --resume another model at the same path is an error here, not a traceback in peft or a silent run
     saved = json.load(open(os.path.join(resume, "grpo_args.json"))).get("base") if resume else None
-    model.base = saved if resume and a.lora_r == 0 else fingerprint(model)
+    model.base = saved if resume and a.lora_r == 0 else hashlib.sha256(repr([(p.shape, p.detach().flatten()[:16].to(
+        torch.bfloat16).tolist()) for p in model.parameters()]).encode()).hexdigest()[:16]
     if saved and model.base != saved:
         fail(f"--resume: --model {a.model!r} is not the base model the saved run trained (other shapes or weights)")
     for m in model.modules():  # bitsandbytes on CPU repacks 4-bit weights in eval mode; training then fails
@@ -470,12 +467,6 @@ def load_model(a: Args, device: torch.device, resume: str | None = None):
         ref_model = ref.eval().requires_grad_(False)
     # from_pretrained returns eval mode, where the layers skip gradient checkpointing and LoRA dropout
     return model.train(), tok, ref_model
-
-
-def fingerprint(model) -> str:
-    """Each tensor's shape and first values (in bf16, so any dtype it was loaded in gives the same), hashed."""
-    return hashlib.sha256(repr([(tuple(p.shape), p.detach().flatten()[:16].to(torch.bfloat16).tolist())
-                                for p in model.parameters()]).encode()).hexdigest()[:16]
 
 
 def use_bf16(a: Args, device: torch.device) -> bool:
@@ -592,11 +583,11 @@ def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns
     per_fn = {}
     for name, fn, _ in reward_fns:
         params = inspect.signature(fn).parameters
-        takes = lambda k: k in params or any(p.kind == p.VAR_KEYWORD for p in params.values())  # noqa: E731
+        takes = lambda k: k != "answer" and (k in params or any(p.kind == p.VAR_KEYWORD for p in params.values()))  # noqa
         vals = []
         for text, ex in zip(texts, examples):
             try:
-                vals.append(float(fn(text, ex["answer"], **{k: v for k, v in ex.items() if k != "answer" and takes(k)})))
+                vals.append(float(fn(text, ex["answer"], **{k: v for k, v in ex.items() if takes(k)})))
             except (Exception, SystemExit) as e:  # a user's reward: report which one and why, then stop
                 fail(f"reward {name!r} raised {type(e).__name__}: {e}")
         per_fn[name] = torch.tensor(vals)
@@ -979,39 +970,26 @@ def evaluate(model, tok, examples: list[dict], a: Args, rank: int, world: int) -
 
 
 def find_checkpoint(output_dir: str) -> tuple[str | None, list[str]]:
-    """The checkpoint --resume continues: checkpoint/, else checkpoint.old/ (the previous one, left whole when a
-    save was killed between its renames), the first that is whole; and what is wrong with those that are not."""
-    problems = []
-    for name in ("checkpoint", "checkpoint.old"):
-        path = os.path.join(output_dir, name)
-        if os.path.isdir(path):
-            problem = checkpoint_problem(path)
-            if not problem:
-                return path, problems
-            problems.append(f"{path}/{problem}")
-    return None, problems
-
-
-def checkpoint_problem(path: str) -> str:
-    """'' when the checkpoint is whole: each JSON file parses, each safetensors file holds what its header says,
-    trainer_state.pt opens (mapped, not read). Else what is wrong, e.g. 'trainer_state.pt is missing'."""
+    """The checkpoint --resume continues: checkpoint/, else checkpoint.old/ (left whole when a save was killed
+    between its renames), the first one whole: each JSON file parses, each safetensors file holds what its header
+    says, trainer_state.pt opens (mapped, not read). And what is wrong with those that are not."""
     from safetensors import safe_open
-    for name in ["grpo_args.json", "trainer_state.pt"] + sorted(os.listdir(path)):
-        file = os.path.join(path, name)
-        try:
-            if name.endswith(".json"):
-                with open(file) as f:
-                    json.load(f)
-            elif name.endswith(".safetensors"):
-                with safe_open(file, "pt"):
-                    pass
-            elif name.endswith(".pt"):
-                torch.load(file, mmap=True, weights_only=False)
-        except FileNotFoundError:
-            return f"{name} is missing"
-        except Exception as e:
-            return f"{name} is damaged ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''})"
-    return ""
+    problems = []
+    for ckpt in (os.path.join(output_dir, name) for name in ("checkpoint", "checkpoint.old")):
+        for name in ["grpo_args.json", "trainer_state.pt"] + sorted(os.listdir(ckpt)) if os.path.isdir(ckpt) else []:
+            path, kind = os.path.join(ckpt, name), os.path.splitext(name)[1]
+            try:
+                with open(path, "rb") as f:
+                    json.load(f) if kind == ".json" else safe_open(path, "pt") if kind == ".safetensors" else \
+                        torch.load(path, mmap=True, weights_only=False) if kind == ".pt" else None
+            except Exception as e:
+                problems.append(f"{path} is " + ("missing" if isinstance(e, FileNotFoundError) else
+                                                 f"damaged ({type(e).__name__}: {str(e)[:80]})"))
+                break
+        else:
+            if os.path.isdir(ckpt):
+                return ckpt, problems
+    return None, problems
 
 
 def save(model, tok, a: Args, state: dict):
@@ -1067,18 +1045,16 @@ def check_paths(a: Args):
 
 
 def lock(output_dir: str):
-    """One run per output dir: an exclusive lock on output_dir/.lock for the run's life (the OS releases it
-    however the process ends). A second run fails, naming the first one's PID."""
+    """One run per output dir: an exclusive lock on output_dir/.lock, held for the run's life (the OS releases it
+    however the process ends); it holds the PID that a second run names when it fails."""
     import fcntl
-    f = open(os.path.join(output_dir, ".lock"), "a+")
+    f = open(os.path.join(output_dir, ".lock"), "a+", buffering=1)
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        f.seek(0)
-        fail(f"--output-dir {output_dir!r} is in use by a run (PID {f.read().strip() or '?'}): wait for it or stop it")
+        fail(f"--output-dir {output_dir!r} is in use by a run (PID {open(f.name).read().strip()}): wait or stop it")
     f.truncate(0)
-    f.write(str(os.getpid()))
-    f.flush()
+    f.write(f"{os.getpid()}\n")
     return f
 
 

@@ -1570,7 +1570,7 @@ def test_one_run_per_output_dir_and_a_second_signal_stops_at_once(tiny_dir, tmp_
     second = run(["--output-dir", out, "--resume", "--max-steps", "20000"], check=False)
     assert second.returncode == 1
     assert second.stderr.strip().splitlines()[-1] == f"grpo: error: --output-dir {out!r} is in use by a run (PID {first.pid}): " \
-                                    f"wait for it or stop it"
+                                    f"wait or stop it"
     assert len(metrics(out)) >= rows and first.poll() is None  # the first run goes on, its log intact
     first.send_signal(signal.SIGTERM)
     time.sleep(0.05)
@@ -1586,7 +1586,7 @@ def test_a_run_that_stopped_before_its_first_save_does_not_block_its_folder(tiny
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 0, "eval/accuracy": 0.0}\n')
     with pytest.raises(SystemExit, match="no checkpoint to continue .* stopped before its first save leaves none; start "
-                                         "it again without --resume"):
+                                         "it without --resume"):
         grpo.parse_args(["--output-dir", str(out), "--resume"])
     (out / "samples.jsonl").write_text('{"step": 1}\n')
     run(["--model", tiny_dir, "--max-steps", "1", "--output-dir", str(out)] + TINY)
