@@ -583,7 +583,8 @@ def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns
     per_fn = {}
     for name, fn, _ in reward_fns:
         params = inspect.signature(fn).parameters
-        takes = lambda k: k != "answer" and (k in params or any(p.kind == p.VAR_KEYWORD for p in params.values()))  # noqa
+        takes = lambda k: k != "answer" and (k in params or any(  # noqa: E731
+            p.kind == p.VAR_KEYWORD for p in params.values()))
         vals = []
         for text, ex in zip(texts, examples):
             try:
@@ -1115,12 +1116,10 @@ def main(argv=None):
     os.makedirs(a.output_dir, exist_ok=True)
     held = lock(a.output_dir) if rank == 0 else None  # noqa: F841 (held for the run's life)
     if a.overwrite and rank == 0:
-        for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old", "samples.jsonl"):
+        for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old"):
             shutil.rmtree(os.path.join(a.output_dir, name), ignore_errors=True)
-            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
-                os.remove(os.path.join(a.output_dir, name))
     log = open_log(a, "metrics.jsonl", done["step"]) if rank == 0 else None
-    samples = open_log(a, "samples.jsonl", done["step"]) if rank == 0 and a.log_samples else None
+    samples = open_log(a, "samples.jsonl", done["step"]) if rank == 0 else None  # empty without --log-samples
     if a.wandb_project and rank == 0:
         import wandb
         wandb.init(project=a.wandb_project, config=dataclasses.asdict(a))
@@ -1172,8 +1171,7 @@ def main(argv=None):
             if rank == 0:
                 m = {"step": step, **m}
                 log.write(json.dumps(m) + "\n")
-                if samples:
-                    samples.writelines(json.dumps(r) + "\n" for r in sample_rows(generated[: a.log_samples], step))
+                samples.writelines(json.dumps(r) + "\n" for r in sample_rows(generated[: a.log_samples], step))
                 for bad, msg in [
                         (m["completion/truncated_frac"] > 0.5, f"more than half the completions hit --max-new-tokens "
                          f"{a.max_new_tokens}; a cut-off answer usually scores 0: raise it"),

@@ -1594,7 +1594,7 @@ def test_a_run_that_stopped_before_its_first_save_does_not_block_its_folder(tiny
     p = run(["--output-dir", str(out), "--resume", "--max-steps", "1"])  # nothing left: says so, touches nothing
     assert p.stdout.strip() == f"grpo: the run in {out} has done its --max-steps 1: raise it to go on"
     run(["--model", tiny_dir, "--max-steps", "1", "--output-dir", str(out), "--overwrite"] + TINY)
-    assert not (out / "samples.jsonl").exists()  # --overwrite leaves nothing of the previous run
+    assert (out / "samples.jsonl").read_text() == ""  # nothing of the previous run is left
 
 
 def test_reward_functions_get_the_record_s_fields(tmp_path):

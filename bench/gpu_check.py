@@ -66,7 +66,7 @@ def main():
         if p.returncode:
             rows.append(f"| {name} | FAILED: {(p.stderr.strip().splitlines() or ['?'])[-1][:120]} | | | | |")
             continue
-        m = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+        m = [r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if r["step"]]  # step 0: eval only
         last = m[-1]
         rows.append(f"| {name} | ok | {wall:.0f} | {sum(r['time/generate'] for r in m) / len(m):.2f} | "
                     f"{sum(r['time/train'] for r in m) / len(m):.2f} | {last.get('grad/norm', 0):.3g} |")

@@ -57,15 +57,15 @@ def warmup(model_dir, data, steps, seed=0, hidden=64, layers=2):
 
 def run(out, model_dir, data_path, steps, extra, seed=0):
     """grpo.py in a subprocess with the demo's flags; returns its metrics rows and wall time."""
-    if os.path.exists(os.path.join(out, "metrics.jsonl")):
-        os.remove(os.path.join(out, "metrics.jsonl"))
     t0 = time.time()
     cmd = [sys.executable, os.path.join(ROOT, "grpo.py"), "--model", model_dir, "--dataset", data_path,
            "--eval-dataset", data_path, "--eval-prompts", "100", "--eval-every", str(steps), "--output-dir", out,
            "--max-steps", str(steps), "--system-prompt", "", "--max-new-tokens", "4", "--prompts-per-step", "32",
            "--num-generations", "8", "--micro-batch-size", "256", "--lora-r", "0", "--learning-rate", "2e-3",
-           "--save-every", "0", "--seed", str(seed)] + extra
-    subprocess.run(cmd, check=True, capture_output=True)
+           "--save-every", "0", "--seed", str(seed), "--overwrite"] + extra
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode:  # grpo.py's own last lines say why
+        raise SystemExit(f"bench/learn.py: grpo.py failed ({' '.join(extra)}):\n{p.stderr[-2000:]}")
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     return [r for r in rows if r["step"] > 0], time.time() - t0  # step 0: the evaluation before training
 
