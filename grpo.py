@@ -1114,7 +1114,7 @@ def main(argv=None):
     stream = prompt_stream(train, a.seed, done["prompts_drawn"])
     # every check has passed: only now is the output dir written, and by one run at a time
     os.makedirs(a.output_dir, exist_ok=True)
-    held = lock(a.output_dir) if rank == 0 else None  # noqa: F841 (held for the run's life)
+    lock_file = lock(a.output_dir) if rank == 0 else None  # held for the run's life
     if a.overwrite and rank == 0:
         for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old"):
             shutil.rmtree(os.path.join(a.output_dir, name), ignore_errors=True)
@@ -1134,7 +1134,7 @@ def main(argv=None):
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
     if a.eval_every and not evals and rank == 0:
-        print(f"grpo: note: no held-out prompts, so no evaluation: give --eval-dataset", file=sys.stderr)
+        print("grpo: note: no held-out prompts, so no evaluation: give --eval-dataset", file=sys.stderr)
     from tqdm import tqdm
     bar = tqdm(range(done["step"] + 1, a.max_steps + 1), disable=rank != 0, desc=f"{a.algo}", dynamic_ncols=True)
     start, busy, warned, bad_steps = done["step"], "", set(), 0
@@ -1158,8 +1158,8 @@ def main(argv=None):
             busy = ""
             bad_steps = bad_steps + 1 if "train/not_finite" in m else 0
             if bad_steps == 3:
-                fail(f"3 steps in a row had a loss or gradient that was not finite, and none was applied: lower "
-                     f"--learning-rate, or check the rewards and --log-samples")
+                fail("3 steps in a row had a loss or gradient that was not finite, and none was applied: lower "
+                     "--learning-rate, or check the rewards and --log-samples")
             cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None  # every random state a step uses
             done = {"step": step, "prompts_drawn": done["prompts_drawn"] + m["groups/gen_rounds"] * a.prompts_per_step,
                     "rng": all_gather((torch.get_rng_state(), cuda, random.getstate(), teacher_rng.getstate()))}
@@ -1199,9 +1199,8 @@ def main(argv=None):
         print(f"grpo: step {done['step']} saved in {where}", file=sys.stderr)
         raise
     finally:
-        for f in (log, samples):
-            if f:
-                f.close()
+        for f in filter(None, (log, samples, lock_file)):
+            f.close()
     if dist.is_initialized():
         dist.destroy_process_group()
     if rank == 0:
