@@ -124,6 +124,8 @@ class Args:
     temperature: float = flag(1.0, "sampling temperature", within=GT0)
     top_p: float = flag(1.0, "nucleus sampling (1: off)", within="(0, 1]")
     top_k: int = flag(0, "top-k sampling (0: off)", within=GE0)
+    compile_generate: str = flag("auto", "static KV cache and a compiled decode step (auto: with CUDA)",
+                                 ("auto", "on", "off"))
     # reward
     rewards: str = flag("correct", "weighted built-in rewards, e.g. correct:1,format:0.2 (rewards.REWARDS)")
     reward_fn: str = flag("", "your own reward, PATH.py:FUNCTION; used alone unless --rewards is also given")
@@ -151,6 +153,7 @@ class Args:
     beta: float = flag(0.0, "KL weight against the reference (adapter disabled)", within=GE0)
     kl: str = flag("k3", "KL term (see kl_penalty)", ("k3", "k3_ratio", "k2"))
     mask_truncated: bool = flag(False, "DAPO §3.4 overlong filtering: no loss on completions without EOS")
+    tis: float = flag(0.0, "C: weight token losses by min(pi_old / pi_sampler, C), truncated IS (0: off)", within=GE0)
     num_iterations: int = flag(1, "optimizer steps per rollout batch (old_logp computed once if > 1)", within=GE1)
     # mixed student + teacher pool
     teacher_pool: str = flag("", "JSONL of cached teacher completions: prompt, completion, reward")
@@ -177,7 +180,7 @@ STAGES = {"algo": "run", "dataset": "data", "prompts_per_step": "generate", "rew
           "teacher_pool": "mixed student + teacher pool", "lora_r": "model and optimizer"}
 
 RUN_LENGTH = {"output_dir", "resume", "overwrite", "dry_run", "max_steps", "save_every", "eval_every", "eval_prompts",
-              "eval_samples", "log_samples", "wandb_project"}  # what --resume lets change
+              "eval_samples", "log_samples", "wandb_project", "compile_generate"}  # what --resume lets change
 
 
 def parse_args(argv=None) -> Args:
@@ -525,20 +528,48 @@ def lora_merged(model, a: Args):
 
 @torch.no_grad()
 def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False):
-    """n completions per prompt text -> (prompt ids per text, completions cut after the first EOS, truncated).
+    """n completions per prompt text -> (prompt ids per text, completions cut after the first EOS, truncated,
+    the sampler's own log-prob of each completion token at the sampling temperature). With model.sampler (main
+    sets it for --compile-generate) every call has one shape, so the decode step compiles once: prompts
+    left-padded to the run's longest, rows padded to a multiple of B/ranks x G, a static KV cache. The LoRA
+    then stays unmerged inside the compiled graph, which reads the trained weights in place (CUDA graphs
+    capture addresses: a swapped tensor would be read stale); uncompiled, it is folded in for the call.
     What the call leaves unset comes from the model's generation config, which load_model cleared."""
-    enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=not tok.chat_template).to(model.device)
+    static = getattr(model, "sampler", None)
+    enc = tok(texts, return_tensors="pt", padding="max_length" if static else True, add_special_tokens=not
+              tok.chat_template, max_length=static and static["prompt_len"]).to(model.device)
+    ids, attn = enc.input_ids.repeat_interleave(n, 0), enc.attention_mask.repeat_interleave(n, 0)  # (rows, P)
+    extra = -len(ids) % static["rows"] if static else 0  # rows added for the fixed shape, dropped after
+    ids, attn = torch.cat([ids, ids[-1:].expand(extra, -1)]), torch.cat([attn, attn[-1:].expand(extra, -1)])
+    steps, last = [], []  # log-probs of the drawn tokens: one step's (rows, V) kept at a time, never (rows, T, V)
+
+    def record(input_ids, scores):  # before each draw (raw logits, ahead of the warpers); its input ends with
+        if last:                    # the previous draw
+            steps.append(last.pop().gather(1, input_ids[:, -1:])[:, 0])
+        last.append(torch.log_softmax(scores.float() / a.temperature, -1))
+        return scores
     sampling = {} if greedy else dict(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
+    compiled = dict(cache_implementation="static", compile_config=static["compile_config"]) if static else {}
     was_training = model.training
     model.eval()
-    with lora_merged(model, a), autocast(a, model.device):
-        out = model.generate(input_ids=enc.input_ids.repeat_interleave(n, 0), max_new_tokens=a.max_new_tokens,
-                             attention_mask=enc.attention_mask.repeat_interleave(n, 0), do_sample=not greedy, **sampling)
+    with contextlib.nullcontext() if static else lora_merged(model, a), autocast(a, model.device):
+        out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=a.max_new_tokens, do_sample=not greedy,
+                             logits_processor=[record], **sampling, **compiled)
     model.train(was_training)
-    comp = out[:, enc.input_ids.shape[1]:]  # (len(texts)*n, C)
+    steps.append(last.pop().gather(1, out[:, -1:])[:, 0])
+    comp, logp = out[:len(out) - extra, ids.shape[1]:], torch.stack(steps, 1)[:len(out) - extra]  # (len(texts)*n, C)
     mask, truncated = completion_mask(comp, model.generation_config.eos_token_id)
     prompts = [ids[m.bool()] for ids, m in zip(enc.input_ids, enc.attention_mask)]
-    return prompts, [c[m] for c, m in zip(comp, mask)], truncated.tolist()
+    return prompts, [c[m] for c, m in zip(comp, mask)], truncated.tolist(), [lp[m] for lp, m in zip(logp, mask)]
+
+
+def compile_sampler(model, a: Args, prompt_len: int, world: int = 1):
+    """--compile-generate: from now on every sampling call has one shape (see generate), so transformers compiles
+    the decode step once, with CUDA graphs on a GPU; on a CPU (the tests) it is traced, without generated code."""
+    from transformers import CompileConfig
+    cc = CompileConfig(dynamic=False, **({} if model.device.type == "cuda" else dict(backend="eager", mode=None)))
+    cc._compile_all_devices = True
+    model.sampler = dict(prompt_len=prompt_len, rows=a.prompts_per_step // world * a.num_generations, compile_config=cc)
 
 
 def teacher_completion(tok, text: str, eos_id: int, max_new_tokens: int) -> tuple[torch.Tensor, bool]:
@@ -648,8 +679,8 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, rank=0, world=1, rng=
     for rounds in range(1, a.max_gen_rounds + 1):
         batch = [next(stream) for _ in range(a.prompts_per_step)][rank::world]  # whole groups per rank
         t0 = time.time()
-        prompts, comps, truncated = generate(model, tok, [chat_prompt(tok, ex["prompt"], a.system_prompt)
-                                                          for ex in batch], G_s, a)
+        prompts, comps, truncated, logps = generate(model, tok, [chat_prompt(tok, ex["prompt"], a.system_prompt)
+                                                                for ex in batch], G_s, a)
         t1 = time.time()
         texts = tok.batch_decode(comps, skip_special_tokens=True)
         rewards, per_fn = score(texts, [ex for ex in batch for _ in range(G_s)], [len(c) for c in comps], reward_fns, a)
@@ -661,6 +692,7 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, rank=0, world=1, rng=
             generated.append(dict(
                 prompt=ex["prompt"], answer=ex["answer"], prompt_ids=prompts[i],
                 completions=comps[rows] + [ids for ids, _ in cached], truncated=truncated[rows] + [c for _, c in cached],
+                sampler_logp=logps[rows] + [torch.full((len(ids),), math.nan) for ids, _ in cached],  # teacher: none
                 texts=texts[rows] + [text for text, _ in picks], is_teacher=[False] * G_s + [True] * len(picks),
                 rewards=torch.cat([rewards[rows], torch.tensor([r for _, r in picks])]),
                 per_fn={k: v[rows] for k, v in per_fn.items()}))
@@ -699,15 +731,16 @@ def collate(groups: list[dict], pad_id: int, device) -> dict:
     P, C = max(map(len, prompts), default=0), max(map(len, comps), default=0)
     ids = torch.full((len(comps), P + C), pad_id, dtype=torch.long)
     attn = torch.zeros(len(comps), P + C, dtype=torch.long)
-    mask = torch.zeros(len(comps), C)
-    for i, (p, c) in enumerate(zip(prompts, comps)):
-        ids[i, P - len(p):P], ids[i, P:P + len(c)] = p, c
+    mask, sampler = torch.zeros(len(comps), C), torch.full((len(comps), C), math.nan)
+    for i, (p, c, s) in enumerate(zip(prompts, comps, [s for g in groups for s in g["sampler_logp"]])):
+        ids[i, P - len(p):P], ids[i, P:P + len(c)], sampler[i, :len(c)] = p, c, s
         attn[i, P - len(p):] = 1  # after-EOS padding stays attended: causal, masked out of the loss
         mask[i, :len(c)] = 1
     flat = lambda key, dtype: torch.tensor([float(x) for g in groups for x in g[key]], dtype=dtype)  # noqa: E731
     equal = [g["rewards"].max() == g["rewards"].min() for g in groups for _ in g["completions"]]
     return {k: v.to(device) for k, v in dict(
         input_ids=ids, attention_mask=attn, mask=mask, adv=flat("adv", torch.float32),  # (N, P+C), (N, C), (N,)
+        sampler_logp=sampler,  # (N, C); NaN where unknown (teacher rows)
         truncated=flat("truncated", torch.bool), is_teacher=flat("is_teacher", torch.bool),
         zero_variance=torch.tensor(equal, dtype=torch.bool)).items()}
 
@@ -858,13 +891,15 @@ def train_step(model, ref_model, opt, batch: dict, a: Args) -> dict:
         # the KL reference: the policy with its LoRA adapter off (no second copy), else a frozen copy
         with model.disable_adapter() if a.beta > 0 and ref_model is None else contextlib.nullcontext():
             ref_logp = [forward(idx, ref_model or model)[0] for idx in chunks] if a.beta > 0 else None
-    sums = torch.zeros(7, device=dev)  # entropy, clip_low, clip_high, kl, loss (token sums), tokens, rows
+    # entropy, clip_low, clip_high, kl, loss (token sums), tokens, rows, |old - sampler| sum, tokens with a sampler
+    sums, gap_max = torch.zeros(9, device=dev), torch.zeros((), device=dev)
     for _ in range(a.num_iterations):
         g_s = [torch.zeros_like(p) for p in params] if a.split_grads else None
         g_t = [torch.zeros_like(p) for p in params] if a.split_grads else None
         for p in params:
             p.grad = torch.zeros_like(p)
         sums.zero_()
+        gap_max.zero_()
         for j, idx in enumerate(chunks):
             m, adv = mask[idx], batch["adv"][idx][:, None]  # (n, C), (n, 1)
             logp, entropy = forward(idx, model)
@@ -873,6 +908,13 @@ def train_step(model, ref_model, opt, batch: dict, a: Args) -> dict:
             # imitation of fixed completions, not on-policy GRPO (seed 003 review).
             old = logp.detach() if old_logp is None else old_logp[j]
             loss, clip_low, clip_high = policy_loss(logp, old, adv, m, a)
+            # the sampler's own log-probs: their gap to the trainer's is the fast sampler's health check (a stale
+            # weight or a broken cache shows here first); teacher rows have none (NaN)
+            sampler = batch["sampler_logp"][idx]
+            known = (m > 0) & sampler.isfinite()
+            gap = torch.where(known, (old - sampler).abs(), 0)
+            if a.tis:  # truncated importance sampling (2025, Yao et al.; TRL's vllm_importance_sampling_correction)
+                loss = loss * torch.where(known, torch.exp(old - sampler).clamp(max=a.tis), 1)
             # KL only where the mask is on: past EOS, exp(ref - logp) can overflow and its gradient would be NaN
             ref = torch.where(m > 0, ref_logp[j], logp.detach()) if a.beta > 0 else logp.detach()
             loss = loss + a.beta * kl_penalty(logp, ref, a.kl, old)  # beta 0: adds exactly 0, value and gradient
@@ -889,7 +931,8 @@ def train_step(model, ref_model, opt, batch: dict, a: Args) -> dict:
                 total(1).backward()
             with torch.no_grad():
                 sums += torch.stack([(x.float() * m).sum() for x in (entropy, clip_low, clip_high, kl, loss)]
-                                    + [m.sum(), torch.tensor(len(idx), device=dev)])
+                                    + [m.sum(), torch.tensor(len(idx), device=dev), gap.sum(), known.sum()])
+                gap_max = torch.maximum(gap_max, gap.max())
         # the gradient of the whole step is the SUM of the ranks' (each rank's loss already carries the
         # global normaliser): one all_reduce per tensor after accumulation, where DDP would average inside
         # backward. Ranks may run different numbers of micro-batches (zero-variance skip, refill), so the
@@ -911,6 +954,8 @@ def train_step(model, ref_model, opt, batch: dict, a: Args) -> dict:
         out["grad/norm"] = norm
         opt.step()
         opt.zero_grad(set_to_none=True)
+    if s[8]:  # over the trained student tokens
+        out.update({"sampler/logp_gap": s[7] / s[8], "sampler/logp_gap_max": max(all_gather(gap_max.item()))})
     if not s[5]:  # no loss token this step (every group skipped): no policy metrics, rather than zeros
         return {**out, "train/rows": 0.0}
     return {**out, "loss": s[4] / s[5], "policy/entropy": s[0] / s[5], "loss/clipfrac_low": s[1] / s[5],
@@ -949,18 +994,20 @@ def evaluate(model, tok, examples: list[dict], a: Args, rank: int, world: int) -
     prompt at the training temperature: mean@k (= pass@1) and pass@j for j = 2, 4, ..., k, as papers report.
     Those samples draw on a random stream of their own: the run's is untouched, so resume stays exact."""
     mine, k = examples[rank::world], a.eval_samples
-    per_chunk = max(1, a.prompts_per_step * a.num_generations // max(1, k))  # prompts per generate() call
+    rows = a.prompts_per_step // world * a.num_generations  # a rollout's rows a call: the compiled sampler's shape
     greedy, sampled = [], []  # correct completions per prompt
 
     def n_correct(chunk, n, **kw):
-        _, comps, _ = generate(model, tok, [chat_prompt(tok, ex["prompt"], a.system_prompt) for ex in chunk], n, a, **kw)
+        texts = [chat_prompt(tok, ex["prompt"], a.system_prompt) for ex in chunk]
+        comps = generate(model, tok, texts, n, a, **kw)[1]
         texts = tok.batch_decode(comps, skip_special_tokens=True)
         return [sum(R.is_correct(t, ex["answer"]) for t in texts[i * n:(i + 1) * n]) for i, ex in enumerate(chunk)]
     with torch.random.fork_rng([model.device] if model.device.type == "cuda" else []):
         torch.manual_seed(a.seed + 1000 * rank + 999)
-        for i in range(0, len(mine), per_chunk):
-            greedy += n_correct(mine[i:i + per_chunk], 1, greedy=True)
-            sampled += n_correct(mine[i:i + per_chunk], k) if k else []
+        for i in range(0, len(mine), rows):
+            greedy += n_correct(mine[i:i + rows], 1, greedy=True)
+        for i in range(0, len(mine), max(1, rows // k)) if k else ():
+            sampled += n_correct(mine[i:i + max(1, rows // k)], k)
     greedy, sampled = sum(all_gather(greedy), []), sum(all_gather(sampled), [])
     out = {"eval/accuracy": sum(greedy) / len(greedy)}
     if k:
@@ -1070,6 +1117,12 @@ def open_log(a: Args, name: str, step: int):
     return open(path, "a", buffering=1)  # line-buffered: each row is on disk once written
 
 
+# bf16 keeps 8 bits of mantissa: a logit near 20 is off by up to 0.06, and so is a log-prob; the sampler's decode
+# kernels and the trainer's full forward round apart, and the mean gap over a step's tokens is a few hundredths
+# (0.01 on the test model). Stale weights or a broken cache move it by tenths to nats.
+GAP_LIMIT = 0.25
+
+
 def main(argv=None):
     a = parse_args(argv)
     if a.dry_run:
@@ -1097,6 +1150,12 @@ def main(argv=None):
     if longest + a.max_new_tokens > getattr(model.config, "max_position_embeddings", math.inf):
         fail(f"the longest prompt is {longest} tokens (chat template included): with --max-new-tokens "
              f"{a.max_new_tokens} that passes the model's {model.config.max_position_embeddings} positions")
+    if a.compile_generate == "on" or a.compile_generate == "auto" and device.type == "cuda":
+        if a.load_in_4bit:
+            print("grpo: note: transformers cannot compile bitsandbytes' 4-bit layers: sampling uncompiled",
+                  file=sys.stderr)
+        else:
+            compile_sampler(model, a, longest, world)
     opt = make_optimizer(a, model)
     torch.manual_seed(a.seed + 1000 * rank)  # sampling differs per rank, repeats per run
     teacher_rng = random.Random(a.seed + 1000 * rank)
@@ -1156,6 +1215,9 @@ def main(argv=None):
             if m["groups/kept"]:  # the same on every rank; 0 when dynamic sampling kept nothing by its cap
                 m.update(train_step(model, ref_model, opt, collate(groups, tok.pad_token_id, device), a))
             busy = ""
+            if m.get("sampler/logp_gap", 0) > GAP_LIMIT:
+                fail(f"the sampler's log-probs are {m['sampler/logp_gap']:.3f} nat from the trainer's on average (bf16 "
+                     f"noise is a few hundredths): stale weights or a broken KV cache; --compile-generate off to go on")
             bad_steps = bad_steps + 1 if "train/not_finite" in m else 0
             if bad_steps == 3:
                 fail("3 steps in a row had a loss or gradient that was not finite, and none was applied: lower "

@@ -629,7 +629,7 @@ def test_sampling_ignores_the_model_s_own_generation_defaults(tmp_path):
                      eos_token_id=2).save_pretrained(path)
     a = grpo.parse_args(["--model", path, "--max-new-tokens", "8"])
     model, tok, _ = grpo.load_model(a, torch.device("cpu"))
-    _, comps, _ = grpo.generate(model, tok, [grpo.chat_prompt(tok, "1+1?", "")], 8, a)
+    _, comps, _, _ = grpo.generate(model, tok, [grpo.chat_prompt(tok, "1+1?", "")], 8, a)
     assert len({tuple(c.tolist()) for c in comps}) > 1
     assert model.generation_config.eos_token_id == [tok.eos_token_id]
 
@@ -1165,7 +1165,7 @@ def test_an_error_mid_run_saves_the_last_completed_step(tiny_dir, tmp_path):
                                     "    if n > 2 + 2 * 8:\n        raise ValueError('bad judge')\n    return n % 3\n")
     out = str(tmp_path / "out")
     p = run(["--model", tiny_dir, "--max-steps", "10", "--save-every", "0", "--output-dir", out,
-             "--reward-fn", f"{tmp_path}/rw.py:r"] + TINY, check=False)  # 2 probe calls, then 8 a step
+             "--reward-fn", f"{tmp_path}/rw.py:r"], check=False)  # 2 probe calls, then 8 a step
     assert p.returncode != 0
     assert p.stderr.strip().splitlines()[-1] == ("grpo: error: reward 'r' raised ValueError: bad judge "
                                                  f"(step 2 saved in {out}/checkpoint; metrics in {out}/metrics.jsonl)")
@@ -1629,3 +1629,138 @@ def test_eval_dataset_is_used_with_any_dataset(tmp_path):
     evals = write_data(tmp_path, [{"prompt": "held out?", "answer": "1"}], name="e.jsonl")
     train, ev = grpo.load_data(grpo.parse_args(["--eval-dataset", evals]))
     assert len(train) == 20000 and ev == [{"prompt": "held out?", "answer": "1"}]
+
+
+# ----------------------------------------------------------------------------- the compiled sampler
+def trainer_logps(model, tok, a, prompts, comps, n):
+    """The trainer's log-probs (and the sampler's, laid out alike) of generate()'s completions, through collate."""
+    groups = [dict(prompt_ids=p, completions=comps[i * n:(i + 1) * n], truncated=[False] * n, is_teacher=[False] * n,
+                   rewards=torch.zeros(n), adv=torch.zeros(n), sampler_logp=[torch.zeros(len(c)) for c in
+                                                                             comps[i * n:(i + 1) * n]])
+              for i, p in enumerate(prompts)]
+    b = grpo.collate(groups, tok.pad_token_id, "cpu")
+    with torch.no_grad(), grpo.autocast(a, b["input_ids"].device):
+        logp, _ = grpo.token_logps(model, b["input_ids"], b["attention_mask"], b["mask"].shape[1], a.temperature)
+    return logp, b["mask"]
+
+
+def padded(logps, mask):
+    out = torch.zeros(mask.shape)
+    for i, lp in enumerate(logps):
+        out[i, :len(lp)] = lp
+    return out
+
+
+TEXTS = ["What is 2 + 3?", "Ava has 4 apples and gets 5 more. How many apples does Ava have now?"]
+
+
+@pytest.mark.parametrize("dtype, atol", [("fp32", 1e-4), ("bf16", 0.05)])
+def test_compiled_sampler_draws_what_the_uncompiled_one_draws(loaded, loaded_bf16, dtype, atol):
+    """Same seed, same tokens, and the sampler's log-probs equal the trainer's. fp32: to float rounding (1e-4).
+    bf16: the sampler's decode and the trainer's full forward round apart; a logit near 2 carries bf16's 2^-8
+    relative error, about 0.01 each, and a log-prob a few of them: 0.05 at most, far below a stale weight's gap."""
+    a, model, tok = loaded if dtype == "fp32" else loaded_bf16
+    model = copy.deepcopy(model)
+    texts = [grpo.chat_prompt(tok, t, a.system_prompt) for t in TEXTS]
+    torch.manual_seed(0)
+    plain = grpo.generate(model, tok, texts, a.num_generations, a)
+    grpo.compile_sampler(model, a, prompt_len=300)
+    torch.manual_seed(0)
+    prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a)
+    same = [torch.equal(x, y) for x, y in zip(plain[1], comps)]
+    assert all(same) if dtype == "fp32" else sum(same) >= len(same) - 2, same  # bf16: a near-tie may flip a draw
+    assert [torch.equal(x, y) for x, y in zip(plain[0], prompts)] and truncated == plain[2]
+    for sampler in (plain[3], logps):
+        logp, mask = trainer_logps(model, tok, a, plain[0] if sampler is plain[3] else prompts,
+                                   plain[1] if sampler is plain[3] else comps, a.num_generations)
+        gap = (logp - padded(sampler, mask)).abs() * mask
+        assert gap.max() < atol, gap.max()
+
+
+def test_compiled_sampler_reads_this_step_s_weights_and_compiles_once(loaded):
+    """After an optimizer step the compiled sampler's log-probs are the trainer's at the NEW weights (a sampler
+    reading stale weights fails this: the step moves them by far more than the tolerance), the parameters keep
+    their storage, and sampling, greedy evaluation and a second step reuse the one compiled graph."""
+    a, model, tok = loaded
+    model = copy.deepcopy(model)
+    a = replace(a, learning_rate=0.05)
+    texts = [grpo.chat_prompt(tok, t, a.system_prompt) for t in TEXTS]
+    grpo.compile_sampler(model, a, prompt_len=300)
+    opt = grpo.make_optimizer(a, model)
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a)  # compiles
+    old = copy.deepcopy(model)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for step in range(2):
+            groups = [dict(prompt_ids=p, completions=comps[i * 4:(i + 1) * 4], truncated=truncated[i * 4:(i + 1) * 4],
+                           is_teacher=[False] * 4, rewards=torch.tensor([1.0, 0, 0, 1]),
+                           adv=torch.tensor([1.0, -1, -1, 1]), sampler_logp=logps[i * 4:(i + 1) * 4])
+                      for i, p in enumerate(prompts)]
+            m = grpo.train_step(model, None, opt, grpo.collate(groups, tok.pad_token_id, "cpu"), a)
+            assert m["sampler/logp_gap"] < 1e-4  # sampled at the weights the trainer starts the step from
+            grpo.generate(model, tok, texts[:1], 1, a, greedy=True)  # evaluation's call: the same shape
+            prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a)
+            now, mask = trainer_logps(model, tok, a, prompts, comps, 4)
+            stale, _ = trainer_logps(old, tok, a, prompts, comps, 4)
+            sampler = padded(logps, mask)
+            assert ((now - sampler).abs() * mask).max() < 1e-4
+            assert ((stale - sampler).abs() * mask).max() > 0.05  # what a stale sampler would show
+            old = copy.deepcopy(model)
+    assert [p.data_ptr() for p in model.parameters()] == ptrs  # updated in place, never swapped
+
+
+def test_tis_weights_each_token_by_the_truncated_ratio(loaded):
+    """With sampler = trainer - log 2 at every token, pi_old / pi_sampler = 2: --tis 1.5 scales the whole
+    update by 1.5, --tis 3 by 2; teacher rows (no sampler log-prob) keep weight 1."""
+    a, model, tok = loaded
+    a = replace(a, max_grad_norm=0.0, micro_batch_size=16)
+    groups = tiny.fixed_groups(tok, [[1.0, 0.0, 0.5, 0.2], [0.0, 1.0, 1.0, 0.3]], a)
+    b = grpo.collate(groups, tok.pad_token_id, "cpu")
+    with torch.no_grad():
+        logp, _ = grpo.token_logps(model, b["input_ids"], b["attention_mask"], b["mask"].shape[1])
+    for g, rows in zip(groups, logp.split(4)):
+        g["sampler_logp"] = [r[:len(c)] - math.log(2) for r, c in zip(rows, g["completions"])]
+    base, _ = sgd_update(model, a, tiny.fixed_groups(tok, [[1.0, 0.0, 0.5, 0.2], [0.0, 1.0, 1.0, 0.3]], a),
+                         tok.pad_token_id)
+    for c, factor in ((1.5, 1.5), (3.0, 2.0)):
+        u, m = sgd_update(model, replace(a, tis=c), groups, tok.pad_token_id)
+        assert m["sampler/logp_gap"] == pytest.approx(math.log(2), abs=1e-5)
+        assert_same_update(u, {n: factor * v for n, v in base.items()})
+
+
+BROKEN_SAMPLER = """import sys
+g = sys.modules["__main__"]  # grpo.py itself: a sampler whose log-probs are off by 1 nat, as a broken cache's
+real = g.generate
+def broken(*args, **kw):
+    prompts, comps, truncated, logps = real(*args, **kw)
+    return prompts, comps, truncated, [lp - 1.0 for lp in logps]
+g.generate = broken
+def r(c, a, **kw):
+    return sum(ch.isdigit() for ch in c) / 10
+"""
+
+
+def test_a_sampler_far_from_the_trainer_stops_the_run(tiny_dir, tmp_path):
+    (tmp_path / "rw.py").write_text(BROKEN_SAMPLER)
+    p = run(["--model", tiny_dir, "--output-dir", str(tmp_path / "out"), "--max-steps", "3", "--reward-fn",
+             f"{tmp_path}/rw.py:r"] + TINY, check=False)
+    assert p.returncode == 1
+    assert p.stderr.strip().splitlines()[-1].startswith("grpo: error: the sampler's log-probs are 1.000 nat from the "
+                                                        "trainer's on average")
+    assert "--compile-generate off" in p.stderr
+
+
+def test_three_steps_with_evaluation_and_refill_compile_the_sampler_once(tiny_dir, tmp_path):
+    out = str(tmp_path / "out")
+    (tmp_path / "rw.py").write_text("n = 0\ndef r(c, a, **kw):  # step 1's first round all equal: a refill\n"
+                                    "    global n\n    n += 1\n    return 0.0 if n <= 10 else n % 2\n")
+    env = {**os.environ, "TORCH_LOGS": "recompiles"}
+    p = subprocess.run([sys.executable, os.path.join(HERE, "grpo.py")] + TINY + ["--model", tiny_dir, "--output-dir", out,
+                        "--algo", "dapo", "--max-steps", "3", "--eval-every", "1", "--eval-samples", "2",
+                        "--compile-generate", "on", "--max-gen-rounds", "2", "--reward-fn", f"{tmp_path}/rw.py:r"],
+                       cwd=HERE, capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "Recompiling" not in p.stderr and "recompil" not in p.stderr.lower(), p.stderr[-3000:]
+    rows = metrics(out)
+    assert max(r["groups/gen_rounds"] for r in rows) == 2 and all("eval/pass@2" in r for r in rows)
+    assert all(r["sampler/logp_gap"] < 1e-4 for r in rows if "sampler/logp_gap" in r)

@@ -65,7 +65,8 @@ def fixed_groups(tok, rewards, a, seed=0, teacher_per_group=0):
             truncated.append(len(ids) > a.max_new_tokens)
         G = len(rs)
         groups.append(dict(prompt_ids=prompt_ids, completions=comps, truncated=truncated, rewards=rs,
-                           texts=[""] * G, per_fn={}, answer="0",
+                           texts=[""] * G, per_fn={}, answer="0", sampler_logp=[torch.full((len(c),), float("nan"))
+                                                                                 for c in comps],
                            is_teacher=[i >= G - teacher_per_group for i in range(G)],
                            adv=grpo.group_advantages(rs[None], a.scale, a.std_eps)[0]))
     return groups
