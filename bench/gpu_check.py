@@ -1,6 +1,7 @@
 """The GPU check, in one command: every preset, the mixed pool, QLoRA, full fine-tuning and a one-process
 torchrun (nccl), a few steps each in bf16 on a random model of Qwen2.5-0.5B's shape (24 layers, vocab
-151,936), then bench/speed.py --device cuda against TRL. Prints one table.
+151,936), with the compiled sampler (QLoRA samples uncompiled: bitsandbytes' layers do not compile), then
+bench/speed.py --device cuda against TRL. Prints one table; the sampler's log-prob gap to the trainer is a column.
 
     pip install -r requirements.txt -r bench/requirements.txt
     python bench/gpu_check.py                 # about 10 minutes on one H100
@@ -19,7 +20,8 @@ sys.path.insert(0, ROOT)
 import tiny  # noqa: E402
 
 STEPS = ["--max-steps", "3", "--prompts-per-step", "4", "--num-generations", "8", "--max-new-tokens", "128",
-         "--eval-every", "3", "--eval-prompts", "16", "--save-every", "0", "--dtype", "auto"]
+         "--eval-every", "3", "--eval-prompts", "16", "--save-every", "0", "--dtype", "auto",
+         "--compile-generate", "on"]
 
 
 def digits(completion, answer, **kw):  # a random model rarely answers right: a dense reward keeps groups informative
@@ -64,15 +66,17 @@ def main():
         p = subprocess.run(cmd, capture_output=True, text=True)
         wall = time.time() - t0
         if p.returncode:
-            rows.append(f"| {name} | FAILED: {(p.stderr.strip().splitlines() or ['?'])[-1][:120]} | | | | |")
+            rows.append(f"| {name} | FAILED: {(p.stderr.strip().splitlines() or ['?'])[-1][:120]} | | | | | |")
             continue
         m = [r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if r["step"]]  # step 0: eval only
         last = m[-1]
         rows.append(f"| {name} | ok | {wall:.0f} | {sum(r['time/generate'] for r in m) / len(m):.2f} | "
-                    f"{sum(r['time/train'] for r in m) / len(m):.2f} | {last.get('grad/norm', 0):.3g} |")
+                    f"{sum(r['time/train'] for r in m) / len(m):.2f} | {last.get('grad/norm', 0):.3g} | "
+                    f"{max(r.get('sampler/logp_gap', 0) for r in m):.3g} |")
         print(rows[-1], flush=True)
-    print("\n| run | result | wall s (3 steps, load included) | generate s/step | train s/step | last grad norm |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("\n| run | result | wall s (3 steps, load included) | generate s/step | train s/step | last grad norm "
+          "| max sampler/logp_gap |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     print("\n".join(rows))
     if not args.no_speed:
         subprocess.run([sys.executable, os.path.join(ROOT, "bench", "speed.py"), "--device", "cuda", "--reps", "2",

@@ -3,7 +3,8 @@
     pip install -r bench/requirements.txt           # the bench's own extras, not grpo.py's
     python bench/speed.py                           # CPU: a small Qwen2 built locally (4 x 256, 259 tokens), fp32
     python bench/speed.py --real-width --dtype bf16 # CPU: Qwen2.5-0.5B's widths (vocab 151,936), 2 layers
-    python bench/speed.py --device cuda             # GPU: Qwen2.5-0.5B's shape (24 layers), random weights, bf16
+    python bench/speed.py --device cuda             # GPU: Qwen2.5-0.5B's shape (24 layers), random weights, bf16:
+                                                    # 8 x 8 x 256 tokens (the headline run's), then 2 x 8 x 64
 
 Workload (every contender, same model, same reward): B prompts x G completions a step (4 x 8; 2 x 8
 with --real-width), up to 64 new tokens, LoRA r16 on all linear layers, beta 0, Dr. GRPO loss (no
@@ -23,9 +24,17 @@ Each contender runs in its own child process, interleaved A B C A B C ..., `--re
 time `--steps` timed steps after one untimed warm-up step. Printed: the median seconds per 1k
 completion tokens, the ratio to TRL and to the floor, and peak memory (max RSS of the child; on
 CUDA, the peak of torch's allocator).
+
+On a GPU: grpo.py samples with its compiled static-cache sampler (`--compile-generate auto`), TRL runs
+twice, with its default sampler and with its fastest one short of vLLM (transformers' continuous
+batching, `use_transformers_continuous_batching`, where the installed TRL has it), and each grpo.py row
+gives its milliseconds per decode step beside the bandwidth limit (every bf16 weight read once a step,
+plus the KV cache, at --bandwidth TB/s: an H100 SXM's HBM3 is 3.35).
 """
 import argparse
+import importlib.util
 import json
+import math
 import os
 import resource
 import statistics
@@ -42,6 +51,7 @@ import grpo  # noqa: E402
 import tiny  # noqa: E402
 
 B, G, T, LORA_R, LR = 4, 8, 64, 16, 1e-5
+COMPILE = "auto"  # grpo.py's --compile-generate
 SYSTEM, DTYPE = "", "fp32"  # --real-width: grpo.py's default system prompt; --dtype
 PROMPTS = [f"Question {i}: what is {i} + {2 * i}? Think, then answer." for i in range(40)]
 GSM8K_LENGTH = [f"Question {i}: Ava buys {i + 3} boxes of {2 * i + 5} pens and gives away {i + 2} pens. How many "
@@ -83,13 +93,15 @@ def child_grpo(model_dir, workload, steps, device, tmp):
                f"{os.path.abspath(__file__)}:{workload}", "--prompts-per-step", str(B), "--num-generations", str(G),
                "--max-new-tokens", str(T), "--lora-r", str(LORA_R), "--learning-rate", str(LR), "--micro-batch-size",
                str(B * G), "--max-steps", str(steps + 1), "--eval-every", "0", "--save-every", "0", "--system-prompt",
-               SYSTEM, "--output-dir", out, "--dtype", DTYPE, "--beta", "0"]
+               SYSTEM, "--output-dir", out, "--dtype", DTYPE, "--beta", "0", "--compile-generate", COMPILE]
               + (["--gradient-checkpointing"] if GC else []))
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][1:]
-    return [(r["completion/tokens"] / r["tokens_per_second"], r["completion/tokens"]) for r in rows]  # whole step
+    # whole step; and the sampler's seconds per decode step (generate runs until the longest completion ends)
+    return [(r["completion/tokens"] / r["tokens_per_second"], r["completion/tokens"],
+             r["time/generate"] / r["groups/gen_rounds"] / r["completion/max_length"]) for r in rows]
 
 
-def child_trl(model_dir, workload, steps, device, tmp):
+def child_trl(model_dir, workload, steps, device, tmp, fastest=False):
     import datasets
     import peft
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -118,7 +130,8 @@ def child_trl(model_dir, workload, steps, device, tmp):
                      max_completion_length=T, learning_rate=LR, beta=0.0, loss_type="dr_grpo", scale_rewards="none",
                      temperature=1.0, top_p=1.0, max_steps=steps + 1, logging_steps=1, save_strategy="no",
                      report_to="none", use_cpu=device == "cpu", bf16=DTYPE == "bf16", seed=0, disable_dropout=True,
-                     gradient_checkpointing=GC)
+                     gradient_checkpointing=GC,
+                     **({"use_transformers_continuous_batching": True} if fastest else {}))
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=cfg, train_dataset=datasets.Dataset.from_list(rows),
                           processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[Clock()],
@@ -138,9 +151,10 @@ def child_floor(model_dir, workload, steps, device, tmp):
     for step in range(steps + 1):
         t0 = time.perf_counter()
         texts = [grpo.chat_prompt(tok, d["prompt"], SYSTEM) for d in data(workload)[step * B:(step + 1) * B]]
-        prompts, comps, _ = grpo.generate(model, tok, texts, G, a)
+        prompts, comps, _, _ = grpo.generate(model, tok, texts, G, a)
         groups = [dict(prompt_ids=prompts[i], completions=comps[i * G:(i + 1) * G], truncated=[False] * G,
-                       adv=torch.zeros(G), is_teacher=[False] * G, rewards=torch.zeros(G)) for i in range(B)]
+                       adv=torch.zeros(G), is_teacher=[False] * G, rewards=torch.zeros(G),
+                       sampler_logp=[torch.zeros(len(c)) for c in comps[i * G:(i + 1) * G]]) for i in range(B)]
         b = grpo.collate(groups, tok.pad_token_id, device)
         logp, _ = grpo.token_logps(model, b["input_ids"], b["attention_mask"], b["mask"].shape[1])
         (-(logp * b["mask"]).sum() / (B * G * T)).backward()
@@ -152,7 +166,20 @@ def child_floor(model_dir, workload, steps, device, tmp):
     return out[1:]
 
 
-CHILDREN = {"grpo.py": child_grpo, "TRL GRPOTrainer": child_trl, "floor": child_floor}
+CHILDREN = {"grpo.py": child_grpo, "TRL GRPOTrainer": child_trl, "floor": child_floor,
+            "TRL continuous batching": lambda *args: child_trl(*args, fastest=True)}  # GPU only
+
+
+def bandwidth_limit_ms(model_dir, rows, new_tokens, tb_per_s):
+    """One decode step can be no faster than reading every bf16 weight once, plus the KV cache at its mean length."""
+    from transformers import AutoConfig
+    c = AutoConfig.from_pretrained(model_dir)
+    head = c.hidden_size // c.num_attention_heads
+    weights = 2 * (c.vocab_size * c.hidden_size + c.num_hidden_layers * (
+        c.hidden_size * head * (c.num_attention_heads * 2 + c.num_key_value_heads * 2) + 3 * c.hidden_size
+        * c.intermediate_size))
+    kv = 2 * rows * c.num_hidden_layers * 2 * c.num_key_value_heads * head * (200 + new_tokens / 2)  # prompts ~200
+    return 1000 * (weights + kv) / (tb_per_s * 1e12)
 
 
 def peak_memory_mb(device):
@@ -173,15 +200,20 @@ def main():
                    "prompts with the default system prompt (always on with --device cuda)")
     p.add_argument("--layers", type=int, default=0, help="layers of the real-width model (default 2 on CPU, 24 on GPU)")
     p.add_argument("--dtype", default="", help="fp32 | bf16 (default fp32 on CPU, bf16 on GPU)")
+    p.add_argument("--shapes", default="", help="BxGxT,... (default 8x8x256,2x8x64 on GPU; one shape on CPU)")
+    p.add_argument("--compile-generate", default="auto", help="grpo.py's flag")
+    p.add_argument("--bandwidth", type=float, default=3.35, help="GPU memory bandwidth, TB/s (H100 SXM: 3.35)")
     p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)  # NAME WORKLOAD MODEL_DIR RESULT.json
     args = p.parse_args()
-    global GC, B, SYSTEM, DTYPE, PROMPTS
-    GC = not args.no_gc
+    global GC, B, G, T, SYSTEM, DTYPE, PROMPTS, COMPILE
+    GC, COMPILE = not args.no_gc, args.compile_generate
     DTYPE = args.dtype or ("fp32" if args.device == "cpu" else "bf16")
     real_width = args.real_width or args.device == "cuda"
     if real_width:
         B, SYSTEM, PROMPTS = 2, grpo.Args.system_prompt, GSM8K_LENGTH
+    shapes = args.shapes or ("8x8x256,2x8x64" if args.device == "cuda" else f"{B}x{G}x{T}")
     if args.child:
+        B, G, T = map(int, shapes.split(",")[0].split("x"))
         name, workload, model_dir, result = args.child
         torch.manual_seed(0)
         with tempfile.TemporaryDirectory() as tmp:
@@ -190,23 +222,29 @@ def main():
         return
     tmp = tempfile.mkdtemp()
     model_dir = build(os.path.join(tmp, "model"), real_width, args.layers or (24 if args.device == "cuda" else 2))
-    lines = []
-    for workload in args.workloads.split(","):
-        per_1k, rep_medians = {n: [] for n in CHILDREN}, {n: [] for n in CHILDREN}
-        peak = {n: 0.0 for n in CHILDREN}
+    lines, children = [], [n for n in CHILDREN if args.device == "cuda" or n != "TRL continuous batching"]
+    for shape, workload in [(sh, w) for sh in shapes.split(",") for w in args.workloads.split(",")]:
+        B, G, T = map(int, shape.split("x"))
+        limit = bandwidth_limit_ms(model_dir, B * G, T, args.bandwidth)
+        per_1k, rep_medians = {n: [] for n in children}, {n: [] for n in children}
+        peak, decode = {n: 0.0 for n in children}, []
         for rep in range(args.reps):
-            for name in CHILDREN:  # interleaved: A B C A B C ...
+            for name in children:  # interleaved: A B C A B C ...
                 result = os.path.join(tmp, "result.json")
-                subprocess.run([sys.executable, os.path.abspath(__file__)] + sys.argv[1:]
-                               + ["--child", name, workload, model_dir, result], check=True,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                p = subprocess.run([sys.executable, os.path.abspath(__file__)] + sys.argv[1:]
+                                   + ["--shapes", shape, "--child", name, workload, model_dir, result],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                if p.returncode:  # e.g. a TRL without continuous batching: that row says so, the others go on
+                    print(f"  {name} failed: {p.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+                    continue
                 r = json.load(open(result))
-                per_1k[name] += [1000 * s / n for s, n in r["steps"]]
-                rep_medians[name].append(statistics.median(1000 * s / n for s, n in r["steps"]))
+                per_1k[name] += [1000 * s[0] / s[1] for s in r["steps"]]
+                rep_medians[name].append(statistics.median(1000 * s[0] / s[1] for s in r["steps"]))
                 peak[name] = max(peak[name], r["peak_mb"])
+                decode += [1000 * s[2] for s in r["steps"] if len(s) > 2]
                 print(f"  {workload} rep {rep + 1}: {name} {statistics.median(per_1k[name]):.3f} s/1k tokens",
                       file=sys.stderr, flush=True)
-        med = {n: statistics.median(v) for n, v in per_1k.items()}
+        med = {n: statistics.median(v) if v else math.nan for n, v in per_1k.items()}
         lines.append(f"\nworkload {workload}: {B} prompts x {G} completions, <= {T} new tokens, LoRA r{LORA_R}, "
                      f"{args.device}, {DTYPE}, {'real width, ' if real_width else ''}"
                      f"gradient checkpointing {'on' if GC else 'off'}, "
@@ -214,11 +252,16 @@ def main():
         lines.append("| contender | s per 1k completion tokens (median) | reps' medians | vs TRL | vs floor "
                      "| peak memory (MiB) |")
         lines.append("| --- | --- | --- | --- | --- | --- |")
-        for n in CHILDREN:
-            lines.append(f"| {n} | {med[n]:.3f} | {min(rep_medians[n]):.2f}-{max(rep_medians[n]):.2f} "
-                         f"| {med[n] / med['TRL GRPOTrainer']:.2f}x | {med[n] / med['floor']:.2f}x | {peak[n]:.0f} |")
-        print("\n".join(lines[-6:]), flush=True)
-    versions = {m: __import__(m).__version__ for m in ("torch", "transformers", "peft", "trl")}
+        for n in children:
+            spread = f"{min(rep_medians[n]):.2f}-{max(rep_medians[n]):.2f}" if rep_medians[n] else "failed"
+            lines.append(f"| {n} | {med[n]:.3f} | {spread} | {med[n] / med['TRL GRPOTrainer']:.2f}x "
+                         f"| {med[n] / med['floor']:.2f}x | {peak[n]:.0f} |")
+        if decode and args.device == "cuda":
+            lines.append(f"grpo.py's sampler: {statistics.median(decode):.2f} ms per decode step (median); the "
+                         f"bandwidth limit is {limit:.2f} ms (weights + KV cache read once at {args.bandwidth} TB/s)")
+        print("\n".join(lines[-(len(children) + 3 + (decode != [] and args.device == "cuda")):]), flush=True)
+    versions = {m: importlib.util.find_spec(m) and __import__(m).__version__ or "not installed"
+                for m in ("torch", "transformers", "peft", "trl")}
     print("\nversions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
 
 
