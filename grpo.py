@@ -23,6 +23,8 @@ Papers (a preset is only a set of defaults; every knob is its own flag):
                w = std_g / max_g' std_g', token sums averaged over sequences (no / T).
 Newer losses, each a flag at the one loss site (policy_loss): --ratio sequence (GSPO, 2507.18071),
 --surrogate cispo (MiniMax-M1, 2506.13585) | sapo (2511.20347), --dual-clip (1912.09729); KL: --kl.
+Sampling: a static KV cache and a decode step compiled once per run (--compile-generate, on with CUDA); the
+sampler's own log-probs are logged against the trainer's (sampler/logp_gap) and can weight the loss (--tis).
 Mixed pool (--teacher-pool): each group is G_s live student samples plus G_t cached teacher
 completions with frozen rewards; --split-grads backpropagates the two halves apart.
 
