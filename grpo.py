@@ -259,6 +259,7 @@ def describe_objective(a: Args) -> str:
     term = {"clip": f"min(r·A_i, {clip}·A_i)", "cispo": f"sg({clip})·A_i·log π_θ",
             "sapo": f"4/τ·σ(τ(r-1))·A_i, τ = {a.sapo_tau_pos:g} if A_i > 0 else {a.sapo_tau_neg:g}"}[a.surrogate]
     term = f"max({term}, {a.dual_clip:g}·A_i if A_i < 0)" if a.dual_clip else term
+    term = f"min(π_old/π_sampler, {a.tis:g})·{term}" if a.tis else term
     term += f" - {a.beta:g}·KL_{a.kl}" if a.beta else ""
     n = {"token-mean": "Σ_i |o_i|", "seq-mean-token-mean": "n_seq |o_i|", "seq-mean-token-sum": "n_seq",
          "seq-mean-token-sum-norm": f"n_seq·{a.max_new_tokens}"}[a.loss_agg]

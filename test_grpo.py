@@ -517,6 +517,8 @@ def test_dry_run_prints_the_objective(capsys):
     grpo.main(["--algo", "grpo", "--dry-run", "--dual-clip", "3", "--beta", "0"])
     out = capsys.readouterr().out
     assert "max(min(r·A_i, clip(r, 1-0.2, 1+0.2)·A_i), 3·A_i if A_i < 0)" in out and "KL" not in out
+    grpo.main(["--algo", "drgrpo", "--dry-run", "--tis", "2"])
+    assert "(min(π_old/π_sampler, 2)·min(r·A_i, clip(r, 1-0.2, 1+0.2)·A_i))" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------- bad input
