@@ -604,13 +604,13 @@ def test_generation_with_the_lora_merged_leaves_the_weights_bit_for_bit(loaded, 
                 p.normal_(std=0.5)  # a non-zero adapter
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     texts = [grpo.chat_prompt(tok, q, "") for q in ("1+1?", "a longer question, 12 + 30?")]
-    _, merged, _ = grpo.generate(model, tok, texts, 1, replace(a, max_new_tokens=10), greedy=True)
+    _, merged, _, _ = grpo.generate(model, tok, texts, 1, replace(a, max_new_tokens=10), greedy=True)
     assert all(torch.equal(p, before[n]) and p.dtype == before[n].dtype for n, p in model.named_parameters())
     assert not any(m.merged for m in model.modules() if hasattr(m, "merged_adapters"))
     base = {p.dtype for n, p in model.named_parameters() if "lora" not in n}
     assert base == {torch.float32 if dtype == "fp32" else torch.bfloat16}
     assert {p.dtype for n, p in model.named_parameters() if "lora" in n} == {torch.float32}  # adapters stay fp32
-    _, unmerged, _ = grpo.generate(model, tok, texts, 1, replace(a, max_new_tokens=10, lora_r=0), greedy=True)
+    _, unmerged, _, _ = grpo.generate(model, tok, texts, 1, replace(a, max_new_tokens=10, lora_r=0), greedy=True)
     if dtype == "fp32":
         assert [c.tolist() for c in merged] == [c.tolist() for c in unmerged]  # same policy either way
     # the same policy up to the rounding of W + delta to bf16 (2^-9 of each weight; measured 0.02 nat)
@@ -1167,7 +1167,7 @@ def test_an_error_mid_run_saves_the_last_completed_step(tiny_dir, tmp_path):
                                     "    if n > 2 + 2 * 8:\n        raise ValueError('bad judge')\n    return n % 3\n")
     out = str(tmp_path / "out")
     p = run(["--model", tiny_dir, "--max-steps", "10", "--save-every", "0", "--output-dir", out,
-             "--reward-fn", f"{tmp_path}/rw.py:r"], check=False)  # 2 probe calls, then 8 a step
+             "--reward-fn", f"{tmp_path}/rw.py:r"] + TINY, check=False)  # 2 probe calls, then 8 a step
     assert p.returncode != 0
     assert p.stderr.strip().splitlines()[-1] == ("grpo: error: reward 'r' raised ValueError: bad judge "
                                                  f"(step 2 saved in {out}/checkpoint; metrics in {out}/metrics.jsonl)")
