@@ -557,10 +557,12 @@ def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False
     model.eval()
     with contextlib.nullcontext() if static else lora_merged(model, a), autocast(a, model.device):
         out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=a.max_new_tokens, do_sample=not greedy,
-                             logits_processor=[record], **sampling, **compiled)
+                             logits_processor=[] if greedy else [record], **sampling, **compiled)
     model.train(was_training)
-    steps.append(last.pop().gather(1, out[:, -1:])[:, 0])
-    comp, logp = out[:len(out) - extra, ids.shape[1]:], torch.stack(steps, 1)[:len(out) - extra]  # (len(texts)*n, C)
+    if last:  # the last draw; greedy calls (evaluation) record none
+        steps.append(last.pop().gather(1, out[:, -1:])[:, 0])
+    comp = out[:len(out) - extra, ids.shape[1]:]  # (len(texts)*n, C)
+    logp = torch.stack(steps, 1)[:len(comp)] if steps else torch.full(comp.shape, math.nan)
     mask, truncated = completion_mask(comp, model.generation_config.eos_token_id)
     prompts = [ids[m.bool()] for ids, m in zip(enc.input_ids, enc.attention_mask)]
     return prompts, [c[m] for c, m in zip(comp, mask)], truncated.tolist(), [lp[m] for lp, m in zip(logp, mask)]
