@@ -1562,7 +1562,10 @@ def wait_for_a_step(p, out):
 
 def test_one_run_per_output_dir_and_a_second_signal_stops_at_once(tiny_dir, tmp_path):
     out = str(tmp_path / "out")
-    argv = [sys.executable, os.path.join(HERE, "grpo.py"), "--model", tiny_dir, "--output-dir", out] + TINY
+    (tmp_path / "rw.py").write_text("import time\ndef r(c, a, **kw):  # a slow judge: a step takes 4 s\n"
+                                    "    time.sleep(0.5)\n    return len(c) % 3\n")
+    argv = [sys.executable, os.path.join(HERE, "grpo.py"), "--model", tiny_dir, "--output-dir", out, "--reward-fn",
+            f"{tmp_path}/rw.py:r"] + TINY
     first = subprocess.Popen(argv + ["--max-steps", "10000", "--save-every", "1"], cwd=HERE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     wait_for_a_step(first, out)
@@ -1574,8 +1577,11 @@ def test_one_run_per_output_dir_and_a_second_signal_stops_at_once(tiny_dir, tmp_
     assert second.stderr.strip().splitlines()[-1] == f"grpo: error: --output-dir {out!r} is in use by a run (PID {first.pid}): " \
                                     f"wait or stop it"
     assert len(metrics(out)) >= rows and first.poll() is None  # the first run goes on, its log intact
+    rows = len(metrics(out))
+    while len(metrics(out)) == rows:  # a step has just ended: the next one spends 4 s in the judge
+        time.sleep(0.05)
     first.send_signal(signal.SIGTERM)
-    time.sleep(0.05)
+    time.sleep(0.5)  # apart (two signals pending at once are one), and well inside the next step
     first.send_signal(signal.SIGTERM)
     assert first.wait(timeout=60) == 128 + signal.SIGTERM
     err = first.stderr.read()
