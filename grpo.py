@@ -1061,7 +1061,8 @@ def save(model, tok, a: Args, state: dict):
         tok.save_pretrained(tmp)
         torch.save(state, os.path.join(tmp, "trainer_state.pt"))
         with open(os.path.join(tmp, "grpo_args.json"), "w") as f:
-            json.dump({**dataclasses.asdict(a), "step": state["step"], "base": getattr(model, "base", None)}, f, indent=1)
+            json.dump({**dataclasses.asdict(a), "step": state["step"], "base": getattr(model, "base", None)}, f,
+                      indent=1)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as "unexpected pos ..."
         full = shutil.disk_usage(a.output_dir).free < 2 ** 24
         shutil.rmtree(tmp, ignore_errors=True)
