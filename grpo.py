@@ -562,7 +562,7 @@ def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False
     if last:  # the last draw; greedy calls (evaluation) record none
         steps.append(last.pop().gather(1, out[:, -1:])[:, 0])
     comp = out[:len(out) - extra, ids.shape[1]:]  # (len(texts)*n, C)
-    logp = torch.stack(steps, 1)[:len(comp)] if steps else torch.full(comp.shape, math.nan)
+    logp = torch.stack(steps, 1)[:len(comp)] if steps else torch.full(comp.shape, math.nan, device=out.device)
     mask, truncated = completion_mask(comp, model.generation_config.eos_token_id)
     prompts = [ids[m.bool()] for ids, m in zip(enc.input_ids, enc.attention_mask)]
     return prompts, [c[m] for c, m in zip(comp, mask)], truncated.tolist(), [lp[m] for lp, m in zip(logp, mask)]
@@ -1157,9 +1157,11 @@ def main(argv=None):
         fail(f"the longest prompt is {longest} tokens (chat template included): with --max-new-tokens "
              f"{a.max_new_tokens} that passes the model's {model.config.max_position_embeddings} positions")
     if a.compile_generate == "on" or a.compile_generate == "auto" and device.type == "cuda":
-        if a.load_in_4bit:
-            print("grpo: note: transformers cannot compile bitsandbytes' 4-bit layers: sampling uncompiled",
-                  file=sys.stderr)
+        why = ("transformers cannot compile bitsandbytes' 4-bit layers" if a.load_in_4bit else "a static KV cache "
+               "has one dtype, and bf16 autocast over fp32 weights (full fine-tuning) makes two" if a.lora_r == 0
+               and use_bf16(a, device) else "")
+        if why:
+            print(f"grpo: note: {why}: sampling uncompiled", file=sys.stderr)
         else:
             compile_sampler(model, a, longest, world)
     opt = make_optimizer(a, model)

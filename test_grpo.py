@@ -1772,3 +1772,13 @@ def test_three_steps_with_evaluation_and_refill_compile_the_sampler_once(tiny_di
     rows = metrics(out)
     assert max(r["groups/gen_rounds"] for r in rows) == 2 and all("eval/pass@2" in r for r in rows)
     assert all(r["sampler/logp_gap"] < 1e-4 for r in rows if "sampler/logp_gap" in r)
+
+
+def test_full_fine_tuning_in_bf16_samples_uncompiled_with_a_note(tiny_dir, tmp_path):
+    """bf16 autocast over fp32 weights gives keys (rotated in fp32) and values (bf16) two dtypes, which one static
+    KV cache cannot hold (seen on an H100): that run samples uncompiled, and says so."""
+    out = str(tmp_path / "out")
+    p = run(["--model", tiny_dir, "--output-dir", out, "--max-steps", "1", "--lora-r", "0", "--dtype", "bf16",
+             "--compile-generate", "on"] + TINY)
+    assert "full fine-tuning) makes two: sampling uncompiled" in p.stderr
+    assert metrics(out)[-1]["step"] == 1

@@ -8,6 +8,7 @@ bench/speed.py --device cuda against TRL. Prints one table; the sampler's log-pr
     python bench/gpu_check.py --no-speed      # the runs only
 """
 import argparse
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -52,11 +53,13 @@ def runs(tmp):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--no-speed", action="store_true")
+    p.add_argument("--jobs", type=int, default=1, help="runs at a time on the one GPU (the times then overlap)")
     args = p.parse_args()
     tmp = tempfile.mkdtemp()
     model = tiny.make_tiny(os.path.join(tmp, "model"), layers=24, **tiny.QWEN25_05B)
-    rows = []
-    for name, extra, launcher in runs(tmp):
+
+    def one(run):
+        name, extra, launcher = run
         algo = name.split()[0]
         out = os.path.join(tmp, name.replace(" ", "_").replace("/", "_"))
         cmd = (launcher or [sys.executable]) + [os.path.join(ROOT, "grpo.py"), "--algo", algo, "--model", model,
@@ -66,14 +69,17 @@ def main():
         p = subprocess.run(cmd, capture_output=True, text=True)
         wall = time.time() - t0
         if p.returncode:
-            rows.append(f"| {name} | FAILED: {(p.stderr.strip().splitlines() or ['?'])[-1][:120]} | | | | | |")
-            continue
+            row = f"| {name} | FAILED: {(p.stderr.strip().splitlines() or ['?'])[-1][:120]} | | | | | |"
+            print(row, p.stderr[-3000:], sep="\n", flush=True)
+            return row
         m = [r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if r["step"]]  # step 0: eval only
-        last = m[-1]
-        rows.append(f"| {name} | ok | {wall:.0f} | {sum(r['time/generate'] for r in m) / len(m):.2f} | "
-                    f"{sum(r['time/train'] for r in m) / len(m):.2f} | {last.get('grad/norm', 0):.3g} | "
-                    f"{max(r.get('sampler/logp_gap', 0) for r in m):.3g} |")
-        print(rows[-1], flush=True)
+        row = (f"| {name} | ok | {wall:.0f} | {sum(r['time/generate'] for r in m) / len(m):.2f} | "
+               f"{sum(r['time/train'] for r in m) / len(m):.2f} | {m[-1].get('grad/norm', 0):.3g} | "
+               f"{max(r.get('sampler/logp_gap', 0) for r in m):.3g} |")
+        print(row, flush=True)
+        return row
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        rows = list(pool.map(one, runs(tmp)))
     print("\n| run | result | wall s (3 steps, load included) | generate s/step | train s/step | last grad norm "
           "| max sampler/logp_gap |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

@@ -202,6 +202,7 @@ def main():
     p.add_argument("--dtype", default="", help="fp32 | bf16 (default fp32 on CPU, bf16 on GPU)")
     p.add_argument("--shapes", default="", help="BxGxT,... (default 8x8x256,2x8x64 on GPU; one shape on CPU)")
     p.add_argument("--compile-generate", default="auto", help="grpo.py's flag")
+    p.add_argument("--contenders", default="", help="a comma list of the contenders to run (default all)")
     p.add_argument("--bandwidth", type=float, default=3.35, help="GPU memory bandwidth, TB/s (H100 SXM: 3.35)")
     p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)  # NAME WORKLOAD MODEL_DIR RESULT.json
     args = p.parse_args()
@@ -222,7 +223,8 @@ def main():
         return
     tmp = tempfile.mkdtemp()
     model_dir = build(os.path.join(tmp, "model"), real_width, args.layers or (24 if args.device == "cuda" else 2))
-    lines, children = [], [n for n in CHILDREN if args.device == "cuda" or n != "TRL continuous batching"]
+    lines, children = [], [n for n in CHILDREN if (args.device == "cuda" or n != "TRL continuous batching")
+                           and (not args.contenders or n in args.contenders.split(","))]
     for shape, workload in [(sh, w) for sh in shapes.split(",") for w in args.workloads.split(",")]:
         B, G, T = map(int, shape.split("x"))
         limit = bandwidth_limit_ms(model_dir, B * G, T, args.bandwidth)
@@ -254,8 +256,8 @@ def main():
         lines.append("| --- | --- | --- | --- | --- | --- |")
         for n in children:
             spread = f"{min(rep_medians[n]):.2f}-{max(rep_medians[n]):.2f}" if rep_medians[n] else "failed"
-            lines.append(f"| {n} | {med[n]:.3f} | {spread} | {med[n] / med['TRL GRPOTrainer']:.2f}x "
-                         f"| {med[n] / med['floor']:.2f}x | {peak[n]:.0f} |")
+            lines.append(f"| {n} | {med[n]:.3f} | {spread} | {med[n] / med.get('TRL GRPOTrainer', math.nan):.2f}x "
+                         f"| {med[n] / med.get('floor', math.nan):.2f}x | {peak[n]:.0f} |")
         if decode and args.device == "cuda":
             lines.append(f"grpo.py's sampler: {statistics.median(decode):.2f} ms per decode step (median); the "
                          f"bandwidth limit is {limit:.2f} ms (weights + KV cache read once at {args.bandwidth} TB/s)")
