@@ -510,34 +510,15 @@ def completion_mask(ids: torch.Tensor, eos_ids) -> tuple[torch.Tensor, torch.Ten
     return mask, ~is_eos.any(1)
 
 
-@contextlib.contextmanager
-def lora_merged(model, a: Args):
-    """Sample with each LoRA delta folded into its base weight: one matmul per layer instead of three.
-    The merged weight is a new tensor and the original is put back untouched afterwards (peft's
-    unmerge subtracts the delta again, which rounds: bf16 base weights would drift every step).
-    Not with 4-bit weights, which cannot hold the sum."""
-    layers = [m for m in model.modules() if hasattr(m, "get_delta_weight")] if a.lora_r and not a.load_in_4bit else []
-    originals = [m.get_base_layer().weight.data for m in layers]
-    for m, w in zip(layers, originals):  # the delta is fp32 (peft's adapters): the sum keeps the base's dtype
-        m.get_base_layer().weight.data = w + sum(m.get_delta_weight(name) for name in m.active_adapters).to(w.dtype)
-        m.merged_adapters.extend(m.active_adapters)  # peft then skips the adapter in forward
-    try:
-        yield
-    finally:
-        for m, w in zip(layers, originals):
-            m.get_base_layer().weight.data = w
-            m.merged_adapters.clear()
-
-
 @torch.no_grad()
 def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False):
     """n completions per prompt text -> (prompt ids per text, completions cut after the first EOS, truncated,
     the sampler's own log-prob of each completion token at the sampling temperature). With model.sampler (main
     sets it for --compile-generate) every call has one shape, so the decode step compiles once: prompts
-    left-padded to the run's longest, rows padded to a multiple of B/ranks x G, a static KV cache. The LoRA
-    then stays unmerged inside the compiled graph, which reads the trained weights in place (CUDA graphs
-    capture addresses: a swapped tensor would be read stale); uncompiled, it is folded in for the call.
-    What the call leaves unset comes from the model's generation config, which load_model cleared."""
+    left-padded to the run's longest, rows padded to a multiple of B/ranks x G, a static KV cache. The LoRA stays
+    unmerged, and the compiled graph reads the trained weights in place: CUDA graphs capture addresses, so a merged
+    or swapped weight tensor would be read stale (and a merge holds a second copy of every weight). What the call
+    leaves unset comes from the model's generation config, which load_model cleared."""
     static = getattr(model, "sampler", None)
     enc = tok(texts, return_tensors="pt", padding="max_length" if static else True, add_special_tokens=not
               tok.chat_template, max_length=static and static["prompt_len"]).to(model.device)
@@ -555,7 +536,7 @@ def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False
     compiled = dict(cache_implementation="static", compile_config=static["compile_config"]) if static else {}
     was_training = model.training
     model.eval()
-    with contextlib.nullcontext() if static else lora_merged(model, a), autocast(a, model.device):
+    with autocast(a, model.device):
         out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=a.max_new_tokens, do_sample=not greedy,
                              logits_processor=[] if greedy else [record], **sampling, **compiled)
     model.train(was_training)
@@ -751,34 +732,11 @@ def collate(groups: list[dict], pad_id: int, device) -> dict:
 
 
 # ----------------------------------------------------------------------------- log-probs
-class FrozenHeadLogp(torch.autograd.Function):
-    """Log-probs of the targets (and entropy) from hidden states h (n, H) through a frozen output layer
-    W (V, H), as LoRA leaves it, without keeping the (n, V) logits for backward. With z = h W^T / T:
-    d logp / d h = (W[target] - softmax(z) W) / T, and softmax(z) W is one matmul in the forward, the
-    same work as the dz W that autograd's backward would do, so nothing is recomputed."""
-    @staticmethod
-    def forward(ctx, h, weight, target, temperature):
-        z = (h @ weight.T).float() / temperature  # (n, V)
-        lse = z.logsumexp(-1)
-        p = (z - lse[:, None]).exp_()
-        ctx.temperature, ctx.h_dtype = temperature, h.dtype
-        ctx.save_for_backward(weight[target] - p.to(weight.dtype) @ weight)  # (n, H)
-        entropy = lse - (p * z).sum(-1)
-        ctx.mark_non_differentiable(entropy)
-        return z.gather(-1, target[:, None])[:, 0] - lse, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logp, _):
-        d, = ctx.saved_tensors
-        return (grad_logp[:, None] * d.float() / ctx.temperature).to(ctx.h_dtype), None, None, None
-
-
 def token_logps(model, input_ids, attention_mask, n_completion: int, temperature: float = 1.0):
     """Log-probs and entropy (N, C) of the last C tokens, from one forward over prompt + completion.
     Position ids count real tokens, as generate() did with left padding. The vocabulary is wide
     (V = 151,936 for Qwen2.5), so the output layer runs on chunks of 2^24 / V tokens (64 MB of fp32
-    logits) and no (N, C, V) logits are kept for backward: a frozen output layer (LoRA) takes
-    FrozenHeadLogp, a trained one (full fine-tuning) recomputes its chunk's logits in backward."""
+    logits), each recomputed in backward rather than kept: no (N, C, V) logits are ever held."""
     pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
                                  use_cache=False).last_hidden_state[:, -n_completion - 1:-1]  # (N, C, H)
@@ -791,14 +749,9 @@ def token_logps(model, input_ids, attention_mask, n_completion: int, temperature
         with torch.no_grad():  # entropy from the same logits: a metric, no extra pass
             entropy = lse - (logits.softmax(-1) * logits).sum(-1)
         return logits.gather(-1, tgt[:, None])[:, 0] - lse, entropy
-    if not torch.is_grad_enabled():
-        step = chunk
-    elif head.weight.requires_grad or head.bias is not None:
-        step = lambda h, tgt: checkpoint(chunk, h, tgt, use_reentrant=False)  # noqa: E731
-    else:
-        step = lambda h, tgt: FrozenHeadLogp.apply(h, head.weight, tgt, temperature)  # noqa: E731
-    n = max(1, 2 ** 24 // head.weight.shape[0])
-    logp, entropy = zip(*[step(h, t) for h, t in zip(hidden.split(n), targets.split(n))])
+    n = max(1, 2 ** 24 // head.weight.shape[0])  # tokens a chunk
+    logp, entropy = zip(*[checkpoint(chunk, h, t, use_reentrant=False) for h, t in zip(hidden.split(n),
+                                                                                       targets.split(n))])
     return torch.cat(logp).view(len(input_ids), -1), torch.cat(entropy).view(len(input_ids), -1)
 
 

@@ -594,34 +594,6 @@ def test_train_logps_match_the_sampler(loaded, loaded_bf16, dtype, atol):
     assert (entropy > 0).all() and (entropy <= math.log(len(tok)) + 1e-4).all()
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_generation_with_the_lora_merged_leaves_the_weights_bit_for_bit(loaded, loaded_bf16, dtype):
-    a, model, tok = loaded if dtype == "fp32" else loaded_bf16
-    model = copy.deepcopy(model)
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "lora_B" in n:
-                p.normal_(std=0.5)  # a non-zero adapter
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    texts = [grpo.chat_prompt(tok, q, "") for q in ("1+1?", "a longer question, 12 + 30?")]
-    _, merged, _, _ = grpo.generate(model, tok, texts, 1, replace(a, max_new_tokens=10), greedy=True)
-    assert all(torch.equal(p, before[n]) and p.dtype == before[n].dtype for n, p in model.named_parameters())
-    assert not any(m.merged for m in model.modules() if hasattr(m, "merged_adapters"))
-    base = {p.dtype for n, p in model.named_parameters() if "lora" not in n}
-    assert base == {torch.float32 if dtype == "fp32" else torch.bfloat16}
-    assert {p.dtype for n, p in model.named_parameters() if "lora" in n} == {torch.float32}  # adapters stay fp32
-    _, unmerged, _, _ = grpo.generate(model, tok, texts, 1, replace(a, max_new_tokens=10, lora_r=0), greedy=True)
-    if dtype == "fp32":
-        assert [c.tolist() for c in merged] == [c.tolist() for c in unmerged]  # same policy either way
-    # the same policy up to the rounding of W + delta to bf16 (2^-9 of each weight; measured 0.02 nat)
-    ids = torch.randint(4, len(tok), (2, 16))
-    with torch.no_grad():
-        with grpo.lora_merged(model, a):
-            folded = model(input_ids=ids).logits.float().log_softmax(-1)
-        apart = model(input_ids=ids).logits.float().log_softmax(-1)
-    assert (folded - apart).abs().max() < (1e-5 if dtype == "fp32" else 0.1)
-
-
 def test_sampling_ignores_the_model_s_own_generation_defaults(tmp_path):
     """generate() fills unset fields from the checkpoint's generation_config.json. One that suppresses
     every token but one (and a repetition penalty) must not reach the sampler: samples still differ."""
@@ -1393,17 +1365,22 @@ def test_a_rank_with_no_group_joins_the_step_with_an_empty_batch(loaded):
     assert m == {"grad/norm": 0.0, "train/rows": 0.0}
 
 
-def test_frozen_head_log_probs_and_gradient_equal_autograd():
+def test_token_logps_and_their_gradient_equal_the_full_logits(loaded):
+    """The chunked, recomputed output layer gives the log-probs, entropy and LoRA gradient of a plain forward
+    over the full (N, P+C, V) logits, at a temperature."""
+    a, model, tok = loaded
+    model = copy.deepcopy(model)
     torch.manual_seed(0)
-    h, w = torch.randn(5, 8, dtype=torch.float64, requires_grad=True), torch.randn(30, 8, dtype=torch.float64)
-    t, g = torch.randint(0, 30, (5,)), torch.randn(5, dtype=torch.float64)
-    logp, entropy = grpo.FrozenHeadLogp.apply(h, w, t, 0.7)
-    grad, = torch.autograd.grad((logp * g).sum(), h)
-    z = (h @ w.T / 0.7).log_softmax(-1)
-    want, = torch.autograd.grad((z.gather(-1, t[:, None])[:, 0] * g).sum(), h)
-    assert torch.allclose(logp.double(), z.gather(-1, t[:, None])[:, 0], atol=1e-5)  # fp32 inside
-    assert torch.allclose(entropy.double(), -(z.exp() * z).sum(-1), atol=1e-4)
-    assert torch.allclose(grad, want, atol=1e-5)
+    ids, C, g = torch.randint(4, len(tok), (3, 12)), 5, torch.randn(3, 5)
+    logp, entropy = grpo.token_logps(model, ids, torch.ones_like(ids), C, 0.7)
+    lora = [p for n, p in model.named_parameters() if "lora" in n]
+    grad = torch.autograd.grad((logp * g).sum(), lora)
+    z = (model(input_ids=ids).logits[:, -C - 1:-1].float() / 0.7).log_softmax(-1)  # (N, C, V)
+    want = z.gather(-1, ids[:, -C:, None])[..., 0]
+    assert torch.allclose(logp, want, atol=1e-5)
+    assert torch.allclose(entropy, -(z.exp() * z).sum(-1), atol=1e-4)
+    for got, exp in zip(grad, torch.autograd.grad((want * g).sum(), lora)):
+        assert torch.allclose(got, exp, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- never poison a run
