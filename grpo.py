@@ -376,7 +376,9 @@ def load_data(a: Args) -> tuple[list[dict], list[dict]]:
     graded = any(name.partition(":")[0] in ("correct", "correct_pm1", "math_verify") for name in a.rewards.split(","))
     evals = load_examples(a.eval_dataset, graded) if a.eval_dataset else []
     if a.dataset == "":
-        train, evals = arithmetic_task(20000, a.seed), evals or arithmetic_task(a.eval_prompts, a.seed + 1)
+        evals = evals or arithmetic_task(a.eval_prompts, a.seed + 1)
+        held = {ex["prompt"] for ex in evals}  # held out: 21 of 256 would otherwise be training prompts too
+        train = [ex for ex in arithmetic_task(20000, a.seed) if ex["prompt"] not in held]
     elif a.dataset == "gsm8k":
         try:
             import datasets

@@ -1759,3 +1759,11 @@ def test_full_fine_tuning_in_bf16_samples_uncompiled_with_a_note(tiny_dir, tmp_p
              "--compile-generate", "on"] + TINY)
     assert "full fine-tuning) makes two: sampling uncompiled" in p.stderr
     assert metrics(out)[-1]["step"] == 1
+
+
+def test_the_built_in_task_holds_its_evaluation_prompts_out_of_training():
+    for argv in ([], ["--eval-prompts", "256", "--seed", "3"]):
+        a = grpo.parse_args(argv)
+        train, evals = grpo.load_data(a)
+        assert len(evals) == a.eval_prompts and not {e["prompt"] for e in evals} & {t["prompt"] for t in train}
+        assert len(train) > 19000 and all(R.correct(f"\\boxed{{{ex['answer']}}}", ex["answer"]) == 1 for ex in evals)
