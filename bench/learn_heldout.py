@@ -15,9 +15,13 @@ measured on the way (2 vCPU, torch 2.13 CPU), tiny Qwen2s from tiny.py, held-out
   worked solution (32 a step, plus 16 equations): 2% after 250, 500 and 750 steps. By step 500 the model copies
   the numbers right ('79 + 99 = ') but then gets the sum wrong (111): the arithmetic it learnt on equations at
   the start of a sequence does not carry over to the same equation after a question.
-Next to try: equations behind a prefix from the start (the question, or filler of random length), so that the
-arithmetic is learnt where it will be used; then the chat stage; then RL's learning rate by a short sweep, and
-the TRL child.
+- equations behind their question from the start (`<question>\n23 + 45 = ` -> `68.`, batch 32, 4 x 128, lr 2e-3,
+  one thread beside the test suite): 2, 3, 4, 7, 6, 2, 8% at steps 500 to 3,500 (19 min), loss 1.17 -> 0.77 and
+  still falling: the sudden drop the bare equations had by ~170k examples had not come by 112k.
+Next to try: that run longer or at batch 64 (it may only need the examples the bare equations needed: ~15 min on
+2 cores), or a prefix of random length; then the chat stage; then RL's learning rate by a short sweep, and the
+TRL child. The 30-minute budget for the whole benchmark may have to give: or the warm start may be built once
+and reused (bench/out/warm is kept between runs).
 
     pip install -r requirements.txt -r bench/requirements.txt
     python bench/learn_heldout.py          # warm start; drgrpo, dapo and TRL (Dr. GRPO loss), 2 seeds each
