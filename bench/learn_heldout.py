@@ -20,8 +20,8 @@ measured on the way (2 vCPU, torch 2.13 CPU), tiny Qwen2s from tiny.py, held-out
   still falling: the sudden drop the bare equations had by ~170k examples had not come by 112k.
 Next to try: that run longer or at batch 64 (it may only need the examples the bare equations needed: ~15 min on
 2 cores), or a prefix of random length; then the chat stage; then RL's learning rate by a short sweep, and the
-TRL child. The 30-minute budget for the whole benchmark may have to give: or the warm start may be built once
-and reused (bench/out/warm is kept between runs).
+TRL child. The 30-minute budget for the whole benchmark may have to give, or the warm start be built once and
+reused (this script rebuilds it every time).
 
     pip install -r requirements.txt -r bench/requirements.txt
     python bench/learn_heldout.py          # warm start; drgrpo, dapo and TRL (Dr. GRPO loss), 2 seeds each
