@@ -15,7 +15,7 @@ measured on the way (2 vCPU, torch 2.13 CPU), tiny Qwen2s from tiny.py, held-out
   worked solution (32 a step, plus 16 equations): 2% after 250, 500 and 750 steps. By step 500 the model copies
   the numbers right ('79 + 99 = ') but then gets the sum wrong (111): the arithmetic it learnt on equations at
   the start of a sequence does not carry over to the same equation after a question.
-- equations behind their question from the start (`<question>\n23 + 45 = ` -> `68.`, batch 32, 4 x 128, lr 2e-3,
+- equations behind their question from the start (`<question>\\n23 + 45 = ` -> `68.`, batch 32, 4 x 128, lr 2e-3,
   one thread beside the test suite): 2, 3, 4, 7, 6, 2, 8% at steps 500 to 3,500 (19 min), loss 1.17 -> 0.77 and
   still falling: the sudden drop the bare equations had by ~170k examples had not come by 112k.
 Next to try: that run longer or at batch 64 (it may only need the examples the bare equations needed: ~15 min on
