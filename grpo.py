@@ -1112,9 +1112,9 @@ def main(argv=None):
         fail(f"the longest prompt is {longest} tokens (chat template included): with --max-new-tokens "
              f"{a.max_new_tokens} that passes the model's {model.config.max_position_embeddings} positions")
     if a.compile_generate == "on" or a.compile_generate == "auto" and device.type == "cuda":
-        why = ("transformers cannot compile bitsandbytes' 4-bit layers" if a.load_in_4bit else "a static KV cache "
-               "has one dtype, and bf16 autocast over fp32 weights (full fine-tuning) makes two" if a.lora_r == 0
-               and use_bf16(a, device) else "")
+        why = ("transformers cannot compile bitsandbytes' 4-bit layers" if a.load_in_4bit else
+               "a static KV cache has one dtype, and bf16 autocast over fp32 weights (full fine-tuning) makes two"
+               if a.lora_r == 0 and use_bf16(a, device) else "")
         if why:
             print(f"grpo: note: {why}: sampling uncompiled", file=sys.stderr)
         else:
