@@ -980,6 +980,16 @@ def test_teacher_rewards_come_from_the_pool_and_share_the_group_advantage(loaded
         assert text.tolist() == tok("I give up", add_special_tokens=False).input_ids + [tok.eos_token_id]
 
 
+def test_a_tokenizer_learnt_from_a_corpus_merges_words_and_splits_numbers_into_digits():
+    corpus = ["Ava has 23 apples and gets 45 more."] * 20
+    tok = tiny.make_tokenizer(vocab_size=300, corpus=corpus)
+    assert tok.convert_ids_to_tokens(tok("Ava has 123 apples").input_ids) == ["Ava", "Ġhas", "Ġ", "1", "2", "3",
+                                                                              "Ġapples"]  # as Qwen2 splits them
+    text = "Ben gives away 7 pens; é€ 10."  # never in the corpus: bytes, and back
+    assert tok.decode(tok(text).input_ids) == text
+    assert tok.convert_ids_to_tokens(range(4)) == tiny.SPECIALS and len(tok) <= 300
+
+
 def test_teacher_completion_is_cut_at_t_and_flagged():
     tok = tiny.make_tokenizer()
     ids, truncated = grpo.teacher_completion(tok, "12345", tok.eos_token_id, 6)

@@ -2,25 +2,34 @@
 import itertools
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
+# Qwen2's pre-tokenizer: words with their leading space, digits one by one, punctuation runs
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+               r"\s+(?!\S)|\s+")
 
 
-def make_tokenizer(chat_template=CHAT_TEMPLATE, pad="<|endoftext|>", vocab_size=0):
+def make_tokenizer(chat_template=CHAT_TEMPLATE, pad="<|endoftext|>", vocab_size=0, corpus=()):
     """Byte-level BPE with one token per byte and no merges: Qwen2's scheme, tiny. vocab_size pads the
     vocabulary with multi-byte tokens (pairs, then triples of byte symbols) that encoding never
-    produces but every one of which decodes, as a real model's vocabulary does."""
+    produces but every one of which decodes, as a real model's vocabulary does. corpus (texts): BPE merges
+    learnt from it instead, up to vocab_size, with Qwen2's pre-tokenizer (so a number is one token a digit)."""
     byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {t: i for i, t in enumerate(SPECIALS + byte_chars)}
     fillers = itertools.chain(itertools.product(byte_chars, repeat=2), itertools.product(byte_chars, repeat=3))
-    for chars in itertools.islice(fillers, max(0, vocab_size - len(vocab))):
+    for chars in itertools.islice(fillers, 0 if corpus else max(0, vocab_size - len(vocab))):
         vocab["".join(chars)] = len(vocab)
     tk = Tokenizer(models.BPE(vocab, merges=[]))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if corpus:
+        tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+                                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tk.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                                           initial_alphabet=byte_chars, show_progress=False))
     tk.decoder = decoders.ByteLevel()
     tk.add_special_tokens(SPECIALS)
     return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token=pad, unk_token="<|unk|>",
