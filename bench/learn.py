@@ -1,6 +1,6 @@
 """Does grpo.py learn? Each preset on a tiny local model and a verifiable toy task, on a CPU.
 
-    python bench/learn.py            # all presets and the mixed pool; writes bench/learning.png and .md
+    python bench/learn.py            # all presets and the mixed pool; writes bench/out/learning.png and .md
 
 The task: 'a+b=' for digits a, b (100 prompts), reward `correct` (1/0; DAPO's preset uses +1/-1).
 The model: a 2-layer Qwen2 built locally (tiny.py), byte-level tokenizer, given a short supervised
@@ -118,7 +118,7 @@ def main(steps=800, warmup_steps=200):
         curves[name] = smooth(acc)
         print(table[-1], flush=True)
     md = "\n".join(table)
-    with open(os.path.join(ROOT, "bench", "learning.md"), "w") as f:
+    with open(os.path.join(OUT, "learning.md"), "w") as f:
         f.write(md + "\n")
     import matplotlib
     matplotlib.use("Agg")
@@ -131,7 +131,7 @@ def main(steps=800, warmup_steps=200):
            title=f"tiny Qwen2 on a+b=, after a {warmup_steps}-step supervised warm-up")
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(os.path.join(ROOT, "bench", "learning.png"), dpi=110)
+    fig.savefig(os.path.join(OUT, "learning.png"), dpi=110)
 
 
 if __name__ == "__main__":

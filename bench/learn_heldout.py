@@ -1,54 +1,33 @@
 """Does grpo.py learn, the way papers show it? Held-out accuracy on the built-in task, from a supervised warm
 start, beside TRL's GRPOTrainer with the same settings. On a CPU.
 
-WORK IN PROGRESS (issue 18), not yet run end to end: its warm start does not reach WARM_TARGET yet, so no RL run
-has been made from it, and the TRL child has not run. bench/learn.py (a+b=) is still the learning demo. What was
-measured on the way (2 vCPU, torch 2.13 CPU), tiny Qwen2s from tiny.py, held-out greedy accuracy:
-- the chat format alone (2 layers x 128, batch 32, lr 2e-3): 2.3% after 1,500 steps (7.4 min).
-- bare equations (`23 + 45 = ` -> `68.`, a tenth of the chat format's tokens), batch 64: 2 x 128 at lr 3e-3
-  rose to 11% and fell back; at lr 1e-2 nothing; 4 x 128 at lr 2e-3 with a 200-step warm-up (one thread): 17%
-  at step 2,000, 37% at 2,500, 65% at 3,000, 73% at 3,500 (6 min). The arithmetic is learnt in minutes so.
-- then the chat format (16 worked solutions + 16 equations a step, 1,000 steps): 0-2% all along. The model
-  writes the format but copies the prompt's numbers wrongly ('79 + 9 = ' for '79 ... and gets 99 more'):
-  the missing skill is copying numbers out of a 250-token prompt, not the arithmetic.
-- a middle stage instead, after the equations (loss 0.27 at step 4,000): the bare question, no template, to its
-  worked solution (32 a step, plus 16 equations): 2% after 250, 500 and 750 steps. By step 500 the model copies
-  the numbers right ('79 + 99 = ') but then gets the sum wrong (111): the arithmetic it learnt on equations at
-  the start of a sequence does not carry over to the same equation after a question.
-- equations behind their question from the start (`<question>\\n23 + 45 = ` -> `68.`, batch 32, 4 x 128, lr 2e-3,
-  one thread beside the test suite): 2, 3, 4, 7, 6, 2, 8% at steps 500 to 3,500 (19 min), loss 1.17 -> 0.77 and
-  still falling: the sudden drop the bare equations had by ~170k examples had not come by 112k.
-  At batch 64 (two threads): 3, 9, 9, 6, 9, 13, 16% at steps 500 to 3,500 (18 min), loss 0.95 -> 0.69, still
-  rising when cut: the arithmetic IS being learnt behind the question, more slowly than bare.
-Next to try: that run to its end (4 x 128 behind the question, batch 64, past step 3,500), then the short chat
-stage (the copying is learnt in a few hundred steps); then RL's learning rate by a short sweep, and the
-TRL child. The 30-minute budget for the whole benchmark may have to give, or the warm start be built once and
-reused (this script rebuilds it every time).
-
     pip install -r requirements.txt -r bench/requirements.txt
     python bench/learn_heldout.py          # warm start; drgrpo, dapo and TRL (Dr. GRPO loss), 2 seeds each
-    python bench/learn_heldout.py --all    # + grpo, drgrpo_soft and the mixed pool (G_s 6 + G_t 2)
+    python bench/learn_heldout.py --all    # + grpo, drgrpo_soft and the mixed pool (G_s 14 + G_t 2)
 
 Writes bench/out/heldout.md (the table) and bench/out/heldout.png (held-out accuracy against step, a line per run).
 
 The task: grpo.py's built-in arithmetic word problems (`arithmetic_task`): its training split and its own
 held-out split, disjoint (load_data leaves the held-out prompts out of training), written once to bench/out/ so
 that every run, of either trainer, reads the same files.
-The warm start (`warm_start`): a tiny Qwen2 built by tiny.py, fine-tuned on worked solutions of training
+The warm start (`warm_start`): a 4-layer, 128-wide Qwen2 built by tiny.py, with a 512-token BPE learnt from the
+training prompts by Qwen2's pre-tokenizer (words whole, numbers a digit a token): a prompt is ~60 tokens. With
+one token a byte it was ~250, and the same fine-tune reached 2% in 7 minutes. Fine-tuned on worked solutions of training
 problems written the way the `correct` reward reads them (`23 + 45 = 68. The answer is \\boxed{68}.`), through
-the chat template with the default system prompt, loss on the completion only: first on the bare equations
-(`23 + 45 = `, `68.`: a tenth of the tokens, where the arithmetic is learnt), then on the worked solutions with
-half of each batch still equations, stopped once held-out greedy accuracy reaches WARM_TARGET. Saved as an
-ordinary model directory that `grpo.py --model DIR` takes.
-Each run, from it: full fine-tuning, RL flags below, held-out greedy accuracy (and mean@k, pass@k) every
-EVAL_EVERY steps through grpo.py's own `evaluate`. TRL: GRPOTrainer with loss dr_grpo, no std scaling, beta 0,
-and the same model, data, reward (`rewards.correct`), learning rate (constant), group size, max new tokens,
-batch and steps, evaluated by the same `evaluate` on the same prompts (a callback). Runs go two at a time,
-one thread each.
+the chat template with the default system prompt, loss on the completion only, 64 a step at lr 2e-3, stopped
+once held-out greedy accuracy reaches WARM_TARGET (checked every 50 steps). Saved as an ordinary model
+directory that `grpo.py --model DIR` takes.
+Each run, from it: LoRA r16, the RL flags below, held-out greedy accuracy (and mean@k, pass@k) every EVAL_EVERY
+steps through grpo.py's own `evaluate`. TRL: GRPOTrainer with loss dr_grpo, no std scaling, beta 0, and the same
+model and LoRA, data, reward (`rewards.correct`), learning rate and warm-up (HF's schedule is one step behind:
+lr 0 at its first step), group size, max new tokens, batch and steps, evaluated by the same `evaluate` on the
+same prompts (a callback). Runs go two at a time, one thread each.
+The figures, what they mean and what was tried on the way: README, "It learns".
 """
 import argparse
 import concurrent.futures
 import json
+import math
 import os
 import random
 import re
@@ -66,22 +45,22 @@ import rewards as R  # noqa: E402
 import tiny  # noqa: E402
 
 OUT = os.path.join(ROOT, "bench", "out")
-MODEL = dict(layers=4, hidden=128, heads=4, kv_heads=2)
-WARM_TARGET, EVAL_PROMPTS, EVAL_EVERY, EVAL_SAMPLES = 0.2, 256, 10, 4
-B, G, T, LR, STEPS = 8, 8, 64, 3e-4, 100
-RL = ["--prompts-per-step", str(B), "--num-generations", str(G), "--max-new-tokens", str(T), "--lora-r", "0",
-      "--learning-rate", str(LR), "--max-steps", str(STEPS), "--micro-batch-size", str(B * G), "--dtype", "fp32",
+MODEL, VOCAB = dict(layers=4, hidden=128, heads=4, kv_heads=2), 512
+WARM_TARGET, EVAL_PROMPTS, EVAL_EVERY, EVAL_SAMPLES = 0.25, 256, 20, 4
+B, G, T, LR, WARMUP, STEPS = 16, 16, 32, 5e-4, 10, 120
+RL = ["--prompts-per-step", str(B), "--num-generations", str(G), "--max-new-tokens", str(T), "--lora-r", "16",
+      "--learning-rate", str(LR), "--warmup-steps", str(WARMUP), "--max-steps", str(STEPS), "--micro-batch-size",
+      str(B * G), "--dtype", "fp32",
       "--eval-prompts", str(EVAL_PROMPTS), "--eval-every", str(EVAL_EVERY), "--eval-samples", str(EVAL_SAMPLES),
       "--save-every", "0", "--overwrite"]
 OPS = {"gets": "+", "gives away": "-", "boxes": "*", "shares": "/"}  # arithmetic_task's four kinds
 
 
-def solution(ex: dict) -> tuple[str, str]:
-    """(equation, worked solution) of an arithmetic_task problem, e.g. ('23 + 45 = ', '68.') and
-    '23 + 45 = 68. The answer is \\boxed{68}.'"""
+def solution(ex: dict) -> str:
+    """The worked solution of an arithmetic_task problem, e.g. '23 + 45 = 68. The answer is \\boxed{68}.'"""
     op = next(o for word, o in OPS.items() if word in ex["prompt"])
     x, y = re.findall(r"\d+", ex["prompt"])[:2]
-    return f"{x} {op} {y} = ", f"{x} {op} {y} = {ex['answer']}. The answer is \\boxed{{{ex['answer']}}}."
+    return f"{x} {op} {y} = {ex['answer']}. The answer is \\boxed{{{ex['answer']}}}."
 
 
 def split_files():
@@ -103,36 +82,32 @@ def supervised_batch(tok, pairs):
     return grpo.collate(groups, tok.pad_token_id, "cpu")
 
 
-def warm_start(model_dir, train, evals, seed=0, equation_steps=4000, chat_steps=1000, check_every=50):
-    """The supervised warm start (see the module docstring); returns its log: (stage, step, held-out accuracy)."""
+def warm_start(model_dir, train, evals, seed=0, max_steps=3000, check_every=50):
+    """The supervised warm start (see the module docstring); returns its log: [(step, held-out accuracy)]."""
+    a = grpo.parse_args(["--max-new-tokens", str(T)])
+    corpus = ["system user assistant", a.system_prompt] + [ex["prompt"] + "\n" + solution(ex) for ex in train]
     torch.manual_seed(seed)
-    tiny.make_tiny(model_dir, seed=seed, **MODEL)
+    tiny.make_tiny(model_dir, seed=seed, vocab=VOCAB, corpus=corpus, **MODEL)
     a = grpo.parse_args(["--model", model_dir, "--lora-r", "0", "--dtype", "fp32", "--max-new-tokens", str(T)])
     model, tok, _ = grpo.load_model(a, torch.device("cpu"))
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
     warmup = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 200))
     rng, log = random.Random(seed), []
-    for stage, steps in (("equations", equation_steps), ("chat", chat_steps)):
-        for step in range(1, steps + 1):
-            exs = [rng.choice(train) for _ in range(64)]
-            pairs = [(solution(ex)[0], ex["answer"] + ".") for ex in exs[:64 if stage == "equations" else 16]]
-            if stage == "chat":  # the format; half of each batch is still bare equations
-                pairs += [(grpo.chat_prompt(tok, ex["prompt"], a.system_prompt), solution(ex)[1]) for ex in exs[16:32]]
-            b = supervised_batch(tok, pairs)
-            logp, _ = grpo.token_logps(model, b["input_ids"], b["attention_mask"], b["mask"].shape[1])
-            (-(logp * b["mask"]).sum() / b["mask"].sum()).backward()
-            opt.step()
-            opt.zero_grad()
-            warmup.step()
-            if stage == "equations" and step % 1000 == 0:
-                print(f"  warm start: {stage} step {step}: loss {-(logp * b['mask']).sum() / b['mask'].sum():.3f}",
-                      flush=True)
-            if stage == "chat" and step % check_every == 0:
-                acc = grpo.evaluate(model, tok, evals, a, 0, 1)["eval/accuracy"]
-                log.append((stage, step, round(acc, 3)))
-                print(f"  warm start: {stage} step {step}: held-out greedy accuracy {acc:.3f}", flush=True)
-                if acc >= WARM_TARGET:
-                    break
+    for step in range(1, max_steps + 1):
+        b = supervised_batch(tok, [(grpo.chat_prompt(tok, ex["prompt"], a.system_prompt), solution(ex))
+                                   for ex in (rng.choice(train) for _ in range(64))])
+        logp, _ = grpo.token_logps(model, b["input_ids"], b["attention_mask"], b["mask"].shape[1])
+        loss = -(logp * b["mask"]).sum() / b["mask"].sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        warmup.step()
+        if step % check_every == 0:
+            log.append((step, round(grpo.evaluate(model, tok, evals, a, 0, 1)["eval/accuracy"], 3)))
+            print(f"  warm start: step {step}: loss {loss.item():.3f}, held-out greedy accuracy {log[-1][1]:.3f}",
+                  flush=True)
+            if log[-1][1] >= WARM_TARGET:
+                break
     model.save_pretrained(model_dir)
     return log
 
@@ -143,7 +118,7 @@ def run_grpo(name, flags, seed, model_dir, paths):
            "--eval-dataset", paths[1], "--output-dir", out, "--seed", str(seed)] + RL + flags
     p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if p.returncode:  # grpo.py's own last lines say why
-        raise SystemExit(f"bench/learn.py: grpo.py failed ({name}, seed {seed}):\n{p.stderr[-2000:]}")
+        raise SystemExit(f"bench/learn_heldout.py: grpo.py failed ({name}, seed {seed}):\n{p.stderr[-2000:]}")
     return [r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if "eval/accuracy" in r]
 
 
@@ -152,7 +127,7 @@ def run_trl(seed, model_dir, paths):
     p = subprocess.run([sys.executable, os.path.abspath(__file__), "--trl-child", str(seed), model_dir, *paths, result],
                        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if p.returncode:
-        raise SystemExit(f"bench/learn.py: TRL failed (seed {seed}):\n{p.stderr[-2000:]}")
+        raise SystemExit(f"bench/learn_heldout.py: TRL failed (seed {seed}):\n{p.stderr[-2000:]}")
     return json.load(open(result))
 
 
@@ -178,7 +153,8 @@ def trl_child(seed, model_dir, train_path, eval_path, result):
             if state.global_step % EVAL_EVERY == 0 or state.global_step == STEPS:
                 log.append({"step": state.global_step, **grpo.evaluate(model, tok, evals, a, 0, 1)})
     cfg = GRPOConfig(output_dir=os.path.join(OUT, f"trl_seed{seed}"), per_device_train_batch_size=B * G, bf16=False,
-                     num_generations=G, max_completion_length=T, learning_rate=LR, lr_scheduler_type="constant",
+                     num_generations=G, max_completion_length=T, learning_rate=LR, warmup_steps=WARMUP,
+                     lr_scheduler_type="constant_with_warmup",
                      beta=0.0, loss_type="dr_grpo", scale_rewards="none", epsilon=0.2, temperature=1.0, top_p=1.0,
                      max_steps=STEPS, logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, seed=seed,
                      disable_dropout=True, gradient_checkpointing=False, max_grad_norm=1.0, weight_decay=0.0)
@@ -190,7 +166,7 @@ def trl_child(seed, model_dir, train_path, eval_path, result):
 
 CONTENDERS = {"drgrpo": ["--algo", "drgrpo"], "dapo": ["--algo", "dapo"]}
 MORE = {"grpo": ["--algo", "grpo"], "drgrpo_soft": ["--algo", "drgrpo_soft"],
-        "mixed (drgrpo, G_s 6 + G_t 2)": ["--algo", "drgrpo", "--num-generations", "6", "--teacher-per-group", "2"]}
+        "mixed (drgrpo, G_s 14 + G_t 2)": ["--algo", "drgrpo", "--num-generations", "14", "--teacher-per-group", "2"]}
 
 
 def write_pool(path, train):
@@ -198,7 +174,7 @@ def write_pool(path, train):
     answer off by one (reward 0), graded once and frozen."""
     with open(path, "w") as f:
         for ex in train:
-            right = solution(ex)[1]
+            right = solution(ex)
             wrong = right.replace(ex["answer"], str(int(ex["answer"]) + 1))
             f.writelines(json.dumps({"prompt": ex["prompt"], "completion": c, "reward": r}) + "\n"
                          for c, r in ((right, 1.0), (wrong, 0.0)))
@@ -217,11 +193,11 @@ def main():
     train, evals, paths = split_files()
     model_dir = os.path.join(OUT, "warm")
     warm = warm_start(model_dir, train, evals)
-    print(f"warm start: {time.time() - t0:.0f} s, held-out greedy accuracy {warm[-1][2]:.3f}", flush=True)
+    print(f"warm start: {time.time() - t0:.0f} s, held-out greedy accuracy {warm[-1][1]:.3f}", flush=True)
     contenders = {**CONTENDERS, **(MORE if args.all else {})}
     if args.all:
         write_pool(os.path.join(OUT, "pool.jsonl"), train)
-        contenders["mixed (drgrpo, G_s 6 + G_t 2)"] += ["--teacher-pool", os.path.join(OUT, "pool.jsonl")]
+        contenders["mixed (drgrpo, G_s 14 + G_t 2)"] += ["--teacher-pool", os.path.join(OUT, "pool.jsonl")]
     seeds = [int(s) for s in args.seeds.split(",")]
     jobs = [(name, s) for name in [*contenders, "TRL (dr_grpo)"] for s in seeds]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two cores: two runs at a time, a thread each
@@ -234,22 +210,27 @@ def main():
 
 def report(results, warm, wall, args):
     k = EVAL_SAMPLES
-    table = [f"| run | seed | held-out greedy: start | end | rise (points) | mean@{k} end | pass@{k} end |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    table = [f"| run | seed | held-out greedy: start | end | rise (points) | mean@{k}: start | end | pass@{k}: start "
+             f"| end |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     rises = {}
     for (name, seed), rows in results.items():
         first, last = rows[0], rows[-1]
         rise = 100 * (last["eval/accuracy"] - first["eval/accuracy"])
         rises.setdefault(name, []).append(rise)
-        mean, passk = (last.get(f"eval/{m}@{k}", float("nan")) for m in ("mean", "pass"))
-        table.append(f"| {name} | {seed} | {first['eval/accuracy']:.3f} | {last['eval/accuracy']:.3f} | {rise:+.1f} "
-                     f"| {mean:.3f} | {passk:.3f} |")
-    summary = [f"- {name}: rise {statistics.mean(r):+.1f} points (seeds: {', '.join(f'{x:+.1f}' for x in r)})"
-               for name, r in rises.items()]
-    trl = statistics.mean(rises["TRL (dr_grpo)"])
-    summary.append(f"- grpo.py drgrpo's rise / TRL's: {statistics.mean(rises['drgrpo']) / trl:.2f}x" if trl else
-                   "- TRL's rise is 0: no ratio")
-    md = "\n".join(table + [""] + summary + ["", f"warm start: {warm}; whole run {wall / 60:.1f} min"])
+        table.append(f"| {name} | {seed} | {first['eval/accuracy']:.3f} | {last['eval/accuracy']:.3f} | {rise:+.1f} | "
+                     + " | ".join(f"{row.get(f'eval/{m}@{k}', math.nan):.3f}" for m in ("mean", "pass")
+                                  for row in (first, last)) + " |")
+    p0 = results[next(iter(results))][0]["eval/accuracy"]
+    noise = 100 * math.sqrt(p0 * (1 - p0) / EVAL_PROMPTS)  # one evaluation's binomial standard error, in points
+    mean = {name: statistics.mean(r) for name, r in rises.items()}
+    summary = [f"- {name}: rise {mean[name]:+.1f} points (seeds: {', '.join(f'{x:+.1f}' for x in r)}); target +15: "
+               f"{'met' if min(r) >= 15 else 'not met'}" for name, r in rises.items()]
+    summary.append(f"- one evaluation's standard error: {noise:.1f} points ({EVAL_PROMPTS} prompts at {p0:.2f})")
+    trl = mean["TRL (dr_grpo)"]
+    summary.append(f"- grpo.py drgrpo's rise / TRL's: {mean['drgrpo'] / trl:.2f}x (target >= 0.9x)" if trl > 2 * noise
+                   else f"- TRL's rise ({trl:+.1f}) is within two standard errors of 0: no ratio")
+    md = "\n".join(table + [""] + summary + ["", f"warm start: held-out greedy accuracy {warm[-1][1]:.3f} after "
+                                                f"{warm[-1][0]} steps; whole run {wall / 60:.1f} min"])
     print(md, flush=True)
     with open(os.path.join(OUT, "heldout.md"), "w") as f:
         f.write(md + "\n")
@@ -261,7 +242,7 @@ def report(results, warm, wall, args):
     for (name, seed), rows in results.items():
         ax.plot([r["step"] for r in rows], [r["eval/accuracy"] for r in rows], color=colors[name],
                 ls="-" if seed == 0 else "--", label=f"{name} seed {seed}")
-    ax.set(xlabel="step", ylabel="held-out greedy accuracy", ylim=(0, 1),
+    ax.set(xlabel="step", ylabel="held-out greedy accuracy", ylim=(0, 0.6),
            title=f"tiny Qwen2 on the built-in task ({EVAL_PROMPTS} held-out prompts), from a warm start")
     ax.legend(loc="upper left", fontsize=7, ncol=2)
     fig.tight_layout()
