@@ -21,13 +21,13 @@ def make_tokenizer(chat_template=CHAT_TEMPLATE, pad="<|endoftext|>", vocab_size=
     byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
     vocab = {t: i for i, t in enumerate(SPECIALS + byte_chars)}
     fillers = itertools.chain(itertools.product(byte_chars, repeat=2), itertools.product(byte_chars, repeat=3))
-    for chars in itertools.islice(fillers, 0 if corpus else max(0, vocab_size - len(vocab))):
+    for chars in itertools.islice(fillers, max(0, vocab_size - len(vocab))):  # (a corpus's training replaces them)
         vocab["".join(chars)] = len(vocab)
     tk = Tokenizer(models.BPE(vocab, merges=[]))
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False) if not corpus else pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     if corpus:
-        tk.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
-                                                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
         tk.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
                                                            initial_alphabet=byte_chars, show_progress=False))
     tk.decoder = decoders.ByteLevel()
