@@ -112,22 +112,25 @@ def warm_start(model_dir, train, evals, seed=0, max_steps=3000, check_every=50):
     return log
 
 
+def child(cmd, what):
+    """One run in its own process, on one thread; if it fails, its own last lines say why."""
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    if p.returncode:
+        raise SystemExit(f"bench/learn_heldout.py: {what} failed:\n{p.stderr[-2000:]}")
+
+
 def run_grpo(name, flags, seed, model_dir, paths):
     out = os.path.join(OUT, f"{name}_seed{seed}")
     cmd = [sys.executable, os.path.join(ROOT, "grpo.py"), "--model", model_dir, "--dataset", paths[0],
            "--eval-dataset", paths[1], "--output-dir", out, "--seed", str(seed)] + RL + flags
-    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if p.returncode:  # grpo.py's own last lines say why
-        raise SystemExit(f"bench/learn_heldout.py: grpo.py failed ({name}, seed {seed}):\n{p.stderr[-2000:]}")
+    child(cmd, f"grpo.py ({name}, seed {seed})")
     return [r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if "eval/accuracy" in r]
 
 
 def run_trl(seed, model_dir, paths):
     result = os.path.join(OUT, f"trl_seed{seed}.json")
-    p = subprocess.run([sys.executable, os.path.abspath(__file__), "--trl-child", str(seed), model_dir, *paths, result],
-                       capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if p.returncode:
-        raise SystemExit(f"bench/learn_heldout.py: TRL failed (seed {seed}):\n{p.stderr[-2000:]}")
+    child([sys.executable, os.path.abspath(__file__), "--trl-child", str(seed), model_dir, *paths, result],
+          f"TRL (seed {seed})")
     return json.load(open(result))
 
 
