@@ -187,11 +187,13 @@ def correct_pm1(completion: str, answer: str, **kw) -> float:
 
 
 def r1_format(completion: str, answer: str, **kw) -> float:
-    """DeepSeek-R1 (2501.12948) format reward: '<think>...</think><answer>...</answer>' and nothing else.
-    (The regex ^<think>.*?</think>\\s*<answer>.*?</answer>$, written as linear scans.)"""
+    """DeepSeek-R1 (2501.12948) format reward: '<think>...</think><answer>...</answer>' and nothing else, or
+    the same with <reasoning>...</reasoning> (the regex ^<think>.*?</think>\\s*<answer>.*?</answer>$, as scans)."""
     s = completion.strip()
-    ok = s.startswith("<think>") and s.endswith("</answer>") and re.search(r"</think>\s*<answer>", s)
-    return 1.0 if ok else 0.0
+    for tag in ("think", "reasoning"):
+        if s.startswith(f"<{tag}>") and s.endswith("</answer>") and re.search(rf"</{tag}>\s*<answer>", s):
+            return 1.0
+    return 0.0
 
 
 def math_verify(completion: str, answer: str, **kw) -> float:

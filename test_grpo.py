@@ -1,19 +1,19 @@
-"""Tests for grpo.py and rewards.py, on a CPU in a few minutes. Nothing is downloaded: a tiny Qwen2
-model and tokenizer are built locally (tiny.py) and loaded through the real loading code.
+"""Tests for grpo.py and rewards.py, on a CPU in a few minutes. Nothing is downloaded: a tiny Qwen2 model and
+tokenizer are built locally (tiny.py) and loaded through the real loading code.
 
-Three tiers: pure functions against hand-computed values; the tiny model in-process (gradients,
-log-probs, sampling); grpo.py run as a subprocess per preset and mode."""
+In tiers, as the file reads: the math against hand-computed values; the rewards; flags and data; the tiny
+model in-process (gradients, log-probs, sampling); then whole runs of grpo.py, in-process where they can be
+and as a subprocess where a signal, torchrun or a fresh interpreter is what is tested."""
 import copy
-from dataclasses import replace
 import itertools
 import json
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -25,6 +25,7 @@ import tiny
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY = ["--max-new-tokens", "12", "--prompts-per-step", "2", "--num-generations", "4", "--eval-prompts", "4",
         "--eval-every", "2", "--micro-batch-size", "3", "--learning-rate", "1e-3"]
+TIMING = ("time/", "tokens_per_second")
 
 
 @pytest.fixture(scope="session")
@@ -52,9 +53,29 @@ def wide_dir(tmp_path_factory):
     return tiny.make_tiny(str(tmp_path_factory.mktemp("wide") / "model"), layers=1, hidden=64, vocab=151936)
 
 
-def run(args, cwd=HERE, check=True, timeout=300):
-    p = subprocess.run([sys.executable, os.path.join(HERE, "grpo.py")] + args, cwd=cwd, capture_output=True,
-                       text=True, timeout=timeout)
+@pytest.fixture(autouse=True)
+def signal_handlers():
+    """grpo.main() installs its own Ctrl-C / SIGTERM handlers: an in-process run must not leave them behind."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for s, handler in saved.items():
+        signal.signal(s, handler)
+
+
+def main(argv, cwd=None):
+    """grpo.py's main() in this process (a run of the tiny model costs seconds, not an interpreter's start)."""
+    here = os.getcwd()
+    os.chdir(cwd or here)
+    try:
+        grpo.main(argv)
+    finally:
+        os.chdir(here)
+
+
+def cli(args, check=True, timeout=300, cmd=(sys.executable,), cwd=HERE, **kw):
+    """grpo.py as a subprocess: for signals, torchrun, and what only a fresh interpreter shows."""
+    p = subprocess.run(list(cmd) + [os.path.join(HERE, "grpo.py")] + args, cwd=cwd, capture_output=True,
+                       text=True, timeout=timeout, **kw)
     if check and p.returncode != 0:
         raise AssertionError(p.stdout[-3000:] + p.stderr[-3000:])
     return p
@@ -66,7 +87,28 @@ def metrics(out_dir, with_step_0=False):
         return [r for r in map(json.loads, f) if r["step"] or with_step_0]
 
 
-# ----------------------------------------------------------------------------- tier 1: pure functions
+def steady(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
+
+
+def trained(out):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(out, "checkpoint", "adapter_model.safetensors"))
+
+
+def write(path, lines):
+    path.write_text("".join(line + "\n" for line in lines))
+    return str(path)
+
+
+def reward_file(tmp_path, body="def digits(c, a, **kw):\n    return sum(ch.isdigit() for ch in c) / 10\n"):
+    """A dense reward, so that a random tiny model sees differing rewards (and gradients) in every group."""
+    (tmp_path / "rw.py").write_text(body)
+    name = body.split("def ")[-1].split("(")[0]
+    return ["--reward-fn", f"{tmp_path}/rw.py:{name}", "--rewards", "correct"]
+
+
+# ============================================================================= tier 1: the math, by hand
 def test_group_advantages_by_hand():
     r = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 5.0]])
     # group 1: mean 0.5, unbiased std sqrt(4 * 0.25 / 3); group 2: mean 2.75, std sqrt((3*.5625 + 5.0625)/3)
@@ -231,17 +273,38 @@ def test_pass_at_k_against_enumeration(n, c, k):
                                                     if n - c >= k else 1.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_k3_ratio_gradient_is_exactly_minus_d(dtype):
+    """k3_ratio's gradient at ratio 1 is -d, d = ref - logp (TRL's and verl's "k3+" gradient), for any |d|:
+    differentiated as (1 - e^d) + (e^d - d - 1) it was 0 at d = 22 in fp32 and -32 at d = 40 in fp64."""
+    for d in [-40.0, -22.0, -5.0, -0.5, 0.5, 5.0, 17.0, 22.0, 30.0, 40.0]:
+        logp = torch.tensor([-3.0], dtype=dtype, requires_grad=True)
+        value = grpo.kl_penalty(logp, logp.detach() + d, "k3_ratio")
+        value.backward()
+        assert logp.grad.item() == -d
+        assert value.item() == pytest.approx(math.exp(d) - d - 1, rel=1e-6)
+
+
+def test_k3_ratio_is_weighted_by_the_policy_ratio_off_policy():
+    """After the first inner update (num_iterations > 1) the weight is pi / pi_old: value r k3, gradient -r d."""
+    logp, old, ref = torch.tensor([-1.0], requires_grad=True), torch.tensor([-1.5]), torch.tensor([-2.0])
+    value = grpo.kl_penalty(logp, ref, "k3_ratio", old)
+    value.backward()
+    r, d = math.exp(0.5), -1.0
+    assert value.item() == pytest.approx(r * (math.exp(d) - d - 1)) and logp.grad.item() == pytest.approx(-r * d)
+
+
 def test_evaluate_reports_greedy_mean_and_pass_at_k(loaded, monkeypatch):
     """Prompts with known numbers of right samples (0, 1 and 3 of 4): mean@4, pass@2, pass@4 by hand."""
     a, model, tok = loaded
     a = replace(a, eval_samples=4)
     right = {"p0": 0, "p1": 1, "p2": 3}  # right sampled answers per prompt; greedy is right on p2 only
 
-    def fake_generate(model, tok, texts, n, a, greedy=False):
+    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None):
         prompts = [next(p for p in right if p in t) for t in texts]
         answers = [("7" if greedy and p == "p2" else "0") if greedy else ("7" if i < right[p] else "0")
                    for p in prompts for i in range(n)]
-        return None, [torch.tensor(tok(x, add_special_tokens=False).input_ids) for x in answers], None
+        return None, [torch.tensor(tok(x, add_special_tokens=False).input_ids) for x in answers], None, None
     monkeypatch.setattr(grpo, "generate", fake_generate)
     got = grpo.evaluate(model, tok, [{"prompt": p, "answer": "7"} for p in right], a, 0, 1)
     pass2 = (0 + (1 - 3 / 6) + 1) / 3  # C(3,2)/C(4,2) = 3/6 pairs miss the one right answer; 3 right: never
@@ -249,9 +312,28 @@ def test_evaluate_reports_greedy_mean_and_pass_at_k(loaded, monkeypatch):
                                  "eval/pass@4": 2 / 3})
 
 
-@pytest.mark.parametrize("length, want", [(10, 0.0), (80, 0.0), (90, -0.5), (95, -0.75), (100, -1.0), (150, -1.0)])
-def test_overlong_penalty_dapo_eq13(length, want):
-    assert R.overlong_penalty(length, max_len=100, buffer=20) == pytest.approx(want)
+def problem(ex):
+    """An arithmetic_task problem's operation and numbers, read back from its text: (op, sorted numbers)."""
+    import re
+    op = next(o for word, o in {"gets": "+", "gives away": "-", "boxes": "*", "shares": "/"}.items()
+              if word in ex["prompt"])
+    x, y = map(int, re.findall(r"\d+", ex["prompt"])[:2])
+    if op == "/":
+        return op, (x, y)  # x shared among y
+    return op, tuple(sorted((x, y)))
+
+
+def test_the_built_in_task_holds_out_problems_not_wordings():
+    """No held-out problem has the operation and numbers of a training problem, in any wording, and the
+    held-out split is the same whatever --eval-prompts or --seed (so training is too, on --resume)."""
+    train, evals = grpo.load_data(grpo.parse_args(["--eval-prompts", "1000"]))
+    assert len(evals) == 1000 == len({problem(e) for e in evals})  # each held-out problem once
+    assert not {problem(e) for e in evals} & {problem(t) for t in train}
+    assert {problem(e)[0] for e in evals} == {"+", "-", "*", "/"}
+    assert all(R.correct(f"\\boxed{{{ex['answer']}}}", ex["answer"]) == 1 for ex in evals)
+    other_train, other_evals = grpo.load_data(grpo.parse_args(["--eval-prompts", "64", "--seed", "3"]))
+    assert other_evals == evals[:64] and not {problem(e) for e in evals} & {problem(t) for t in other_train}
+    assert grpo.load_data(grpo.parse_args(["--eval-prompts", "8"]))[0] == train  # training never depends on it
 
 
 @pytest.mark.parametrize("pad", [2, 0])  # pad == eos, pad != eos
@@ -268,6 +350,7 @@ def test_completion_mask_several_eos_ids():
     assert mask.int().tolist() == [[1, 1, 0, 0], [1, 1, 0, 0]] and not truncated.any()
 
 
+# ============================================================================= rewards
 @pytest.mark.parametrize("text, answer", [
     ("so the total is \\boxed{42}.", "42"),
     ("\\boxed{\\frac{3}{4}}", "0.75"),
@@ -480,12 +563,65 @@ def test_adversarial_text_is_finite_and_fast(text):
     assert time.time() - t0 < 1.0
 
 
-# ----------------------------------------------------------------------------- flags
+def test_format_reward_accepts_reasoning_tags():
+    assert R.r1_format("<reasoning>a</reasoning>\n<answer>3</answer>", "3") == 1.0
+    assert R.r1_format("<reasoning>a</think><answer>3</answer>", "3") == 0.0
+
+
+def test_reward_functions_get_the_record_s_fields(tmp_path):
+    a = grpo.parse_args([])
+    seen = []
+    fns = [("all", lambda c, ans, **kw: seen.append(("all", ans, kw)) or 1.0, 1.0),
+           ("some", lambda c, ans, prompt: seen.append(("some", ans, prompt)) or 2.0, 1.0),
+           ("none", lambda c, ans: 3.0, 1.0)]
+    ex = {"prompt": "Write f.", "answer": "", "tests": ["assert f() == 1"]}
+    total, _ = grpo.score(["def f(): return 1"], [ex], [5], fns, a)
+    assert total.item() == 6.0
+    assert seen == [("all", "", {"prompt": "Write f.", "tests": ["assert f() == 1"]}), ("some", "", "Write f.")]
+    assert grpo.load_examples(write(tmp_path / "d.jsonl", [json.dumps(ex)]), graded=False) == [ex]
+
+
+def test_custom_reward_alone_unless_rewards_given(tmp_path):
+    (tmp_path / "rw.py").write_text("def length(c, a, **kw):\n    return len(c) / 10\n")
+    a = grpo.parse_args(["--reward-fn", f"{tmp_path}/rw.py:length"])
+    assert [n for n, _, _ in grpo.build_rewards(a)] == ["length"]
+    a = grpo.parse_args(["--reward-fn", f"{tmp_path}/rw.py:length", "--rewards", "correct: 1, format :0.5"])
+    fns = grpo.build_rewards(a)  # spaces around the names and weights are fine
+    assert [(n, w) for n, _, w in fns] == [("correct", 1.0), ("format", 0.5), ("length", 1.0)]
+    total, per_fn = grpo.score(["\\boxed{3} xx"], [{"prompt": "1+2?", "answer": "3"}], [5], fns, a)
+    assert total.item() == pytest.approx(1.0 + 0 + 1.2) and per_fn["length"].item() == pytest.approx(1.2)
+
+
+@pytest.mark.parametrize("value, says", [
+    ("float('nan')", "reward 'r' returned nan"), ("3.5e38", "reward 'r' returned 3.5e[+]?38"),
+    ("None", "reward 'r' returned None: a reward is a number"), ("'0.5'", "reward 'r' returned '0.5': a reward"),
+    ("[1.0]", r"returned \[1.0\]"), ("1 / 0", "reward 'r' raised ZeroDivisionError: division by zero"),
+    ("__import__('sys').exit(3)", "reward 'r' raised SystemExit: 3")])
+def test_a_reward_that_raises_or_returns_no_finite_number_stops_the_run_named(value, says):
+    """float32 is the step's dtype: 3.5e38 is finite in Python and inf there."""
+    fns = [("r", eval(f"lambda c, ans, **kw: {value}"), 1.0)]
+    with pytest.raises(SystemExit, match=says):
+        grpo.score(["x"], [{"prompt": "p", "answer": "1"}], [1], fns, grpo.parse_args([]))
+
+
+def test_a_non_finite_weighted_sum_or_weight_stops_the_run():
+    with pytest.raises(SystemExit, match="weighted sum of the rewards is not finite"):
+        grpo.score(["x"], [{"prompt": "p", "answer": "1"}], [1], [("big", lambda c, ans: 3e38, 1e3)],
+                   grpo.parse_args([]))
+    for w in ("nan", "inf", "x"):
+        with pytest.raises(SystemExit, match=f"weight '{w}' of 'correct' is not a finite number"):
+            grpo.build_rewards(grpo.parse_args(["--rewards", f"correct:{w}"]))
+    with pytest.raises(SystemExit, match="unknown reward 'corect'"):
+        grpo.build_rewards(grpo.parse_args(["--rewards", "corect"]))
+
+
+# ============================================================================= flags and data
 def test_presets_and_explicit_flags_win():
     for algo, preset in grpo.PRESETS.items():
         a = grpo.parse_args(["--algo", algo])
         assert all(getattr(a, k) == v for k, v in preset.items())
-    a = grpo.parse_args(["--algo", "dapo", "--eps-high", "0.3", "--no-dynamic-sampling", "--loss-agg", "seq-mean-token-sum"])
+    a = grpo.parse_args(["--algo", "dapo", "--eps-high", "0.3", "--no-dynamic-sampling", "--loss-agg",
+                         "seq-mean-token-sum"])
     assert (a.eps_high, a.dynamic_sampling, a.loss_agg, a.eps_low) == (0.3, False, "seq-mean-token-sum", 0.2)
     assert a.overlong_buffer == a.max_new_tokens // 5  # derived after parsing
 
@@ -496,20 +632,62 @@ def test_presets_and_explicit_flags_win():
     (["--teacher-per-group", "2"], "--teacher-pool"),
     (["--num-generations", "1"], "--num-generations"),
     (["--top-k-groups", "9"], "--top-k-groups"),
+    (["--dual-clip", "3", "--surrogate", "cispo"], "--dual-clip c .* and --surrogate clip"),
+    (["--dual-clip", "1"], "--dual-clip c .* needs c > 1"),
+    (["--output-dir", ""], "--output-dir must name a directory"),
+    (["--eval-prompts", "5000"], "--eval-prompts: the built-in task has 2900"),
+    (["--rewards", ""], "no reward"),
 ])
 def test_impossible_flags_fail_with_a_sentence(argv, says):
     with pytest.raises(SystemExit, match=says):
         grpo.parse_args(argv)
+    with pytest.raises(SystemExit, match="--resume continues the run, --overwrite deletes it: give one"):
+        grpo.check_args(replace(grpo.parse_args([]), resume=True, overwrite=True))
 
 
-def test_dry_run_prints_the_objective(capsys):
+@pytest.mark.parametrize("flag, value, says", [
+    ("--num-generations", "0", "--num-generations must be at least 1"), ("--max-grad-norm", "-1", "at least 0"),
+    ("--temperature", "0", "--temperature must be > 0"), ("--top-k", "-1", "--top-k must be at least 0"),
+    ("--top-p", "1.5", r"--top-p must be in \(0, 1\]"), ("--top-p", "0", "--top-p"),
+    ("--lora-dropout", "1", r"--lora-dropout must be in \[0, 1\)"), ("--learning-rate", "0", "--learning-rate"),
+    ("--lora-r", "-1", "--lora-r must be at least 0"), ("--max-steps", "0", "--max-steps must be at least 1"),
+    ("--save-every", "-1", "--save-every"), ("--eval-every", "-1", "--eval-every"),
+    ("--eval-samples", "-1", "--eval-samples must be at least 0"), ("--log-samples", "-1", "at least 0"),
+    ("--max-samples", "-1", "--max-samples must be at least 0"), ("--sapo-tau-neg", "0", "--sapo-tau-neg"),
+    ("--beta", "-0.1", "--beta must be at least 0"), ("--eps-high", "-0.1", "--eps-high must be at least 0"),
+    ("--eval-prompts", "0", "--eval-prompts must be at least 1"), ("--temperature", "nan", "finite"),
+    ("--learning-rate", "nan", "--learning-rate must be a finite number, not nan"),
+    ("--beta", "inf", "--beta must be a finite number, not inf"), ("--max-grad-norm", "nan", "finite"),
+    ("--std-eps", "0", "--std-eps must be > 0"), ("--lora-alpha", "0", "--lora-alpha must be > 0"),
+    ("--eps-low", "1", r"--eps-low must be in \[0, 1\)"), ("--warmup-steps", "-1", "--warmup-steps must be"),
+])
+def test_out_of_range_flags_fail_with_their_name(flag, value, says):
+    extra = ["--teacher-pool", "p.jsonl", "--teacher-per-group", "2"] if flag == "--num-generations" else []
+    with pytest.raises(SystemExit, match=says):
+        grpo.parse_args([flag, value] + extra)
+
+
+@pytest.mark.parametrize("flag, value, choices", [
+    ("--surrogate", "ppo", "clip cispo sapo"), ("--kl", "k1", "k3 k3_ratio k2"), ("--ratio", "seq", "token sequence"),
+    ("--algo", "ppo", "grpo drgrpo dapo drgrpo_soft"), ("--scale", "mad", "std none"), ("--dtype", "fp16", "auto bf16"),
+    ("--loss-agg", "mean", "token-mean seq-mean-token-sum-norm"), ("--optim", "sgd", "adamw_torch paged_adamw_8bit")])
+def test_a_flag_outside_its_choices_fails_with_them(flag, value, choices, capsys):
+    with pytest.raises(SystemExit):
+        grpo.parse_args([flag, value])
+    err = capsys.readouterr().err
+    assert f"argument {flag}: invalid choice: '{value}'" in err and all(c in err for c in choices.split())
+
+
+def test_dry_run_prints_the_objective_then_the_flags(capsys):
     grpo.main(["--algo", "drgrpo", "--dry-run"])
     out = capsys.readouterr().out
-    assert "Σ_i Σ_t (min(r·A_i, clip(r, 1-0.2, 1+0.2)·A_i)) / (n_seq·256)" in out
-    assert "A_i = R_i - mean_g(R)" in out and "/ (std" not in out
+    assert out.startswith("J(θ) = E_q [ Σ_i Σ_t (min(r·A_i, clip(r, 1-0.2, 1+0.2)·A_i)) / (n_seq·256) ]")
+    assert "A_i = R_i - mean_g(R)\n" in out and "/ (std" not in out and "--algo 'drgrpo'" in out
+    assert len(out.splitlines()) < 20
     grpo.main(["--algo", "dapo", "--dry-run"])
     out = capsys.readouterr().out
-    assert "/ (Σ_i |o_i|)" in out and "1+0.28" in out and "dynamic sampling" in out and "overlong" in out
+    assert "/ (Σ_i |o_i|)" in out and "1+0.28" in out and "dynamic sampling (≤4 rounds)" in out
+    assert "R = correct_pm1 + overlong(L_cache=51)" in out
     grpo.main(["--algo", "grpo", "--dry-run", "--surrogate", "sapo", "--ratio", "sequence", "--kl", "k3_ratio"])
     out = capsys.readouterr().out
     assert "4/τ·σ(τ(r-1))·A_i, τ = 1 if A_i > 0 else 1.05" in out and "s_i = exp(mean_t log" in out
@@ -517,50 +695,52 @@ def test_dry_run_prints_the_objective(capsys):
     grpo.main(["--algo", "grpo", "--dry-run", "--dual-clip", "3", "--beta", "0"])
     out = capsys.readouterr().out
     assert "max(min(r·A_i, clip(r, 1-0.2, 1+0.2)·A_i), 3·A_i if A_i < 0)" in out and "KL" not in out
-    grpo.main(["--algo", "drgrpo", "--dry-run", "--tis", "2"])
-    assert "(min(π_old/π_sampler, 2)·min(r·A_i, clip(r, 1-0.2, 1+0.2)·A_i))" in capsys.readouterr().out
+    grpo.main(["--algo", "drgrpo_soft", "--dry-run", "--tis", "2", "--top-k-groups", "4"])
+    out = capsys.readouterr().out
+    assert "(min(π_old/π_sampler, 2)·min(r·A_i, clip(r, 1-0.2, 1+0.2)·A_i))" in out
+    assert "·  std_g / max_g' std_g'" in out and "filters: top-4 groups by std" in out
 
 
-# ----------------------------------------------------------------------------- bad input
-def write(path, lines):
-    path.write_text("".join(line + "\n" for line in lines))
-    return str(path)
+def test_paths_are_saved_absolute(tmp_path, tiny_dir):
+    (tmp_path / "rw.py").write_text("def r(c, a):\n    return 1.0\n")
+    here = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        a = grpo.parse_args(["--reward-fn", "rw.py:r", "--model", os.path.relpath(tiny_dir)])
+    finally:
+        os.chdir(here)
+    assert a.reward_fn == f"{tmp_path}/rw.py:r" and a.model == tiny_dir
+    assert grpo.parse_args(["--model", "Qwen/Qwen2.5-0.5B-Instruct"]).model == "Qwen/Qwen2.5-0.5B-Instruct"
 
 
 @pytest.mark.parametrize("lines, says", [
     (['{"prompt": "a", "answer": "1"}', '{"prompt": "b", "answer": '], "bad.jsonl:2: not valid JSON"),
-    (['{"prompt": "a", "answer": "1"}', '{"prompt": "b"}'], "bad.jsonl:2: each line needs the fields prompt, answer"),
+    (['{"prompt": "a", "answer": "1"}', '{"prompt": "b"}'], "bad.jsonl:2: each line needs a prompt .* and an answer"),
     (["", "  "], "bad.jsonl: no examples"),
-    (['[{"prompt": "a", "answer": "1"}]'], "bad.jsonl:1: each line needs the fields prompt, answer .one JSON object"),
-    (["[", '{"prompt": "a", "answer": "1"}', "]"], "bad.jsonl:1: not valid JSON .*JSONL is one JSON object per line"),
-    (['{"prompt": ["a"], "answer": "1"}'], r"bad.jsonl:1: prompt must be a non-empty string, not \['a'\]"),
+    (['[{"prompt": "a", "answer": "1"}]'], "bad.jsonl:1: not a JSON object; JSONL is one JSON object a line"),
+    (["[", '{"prompt": "a", "answer": "1"}', "]"], "bad.jsonl:1: not valid JSON .*JSONL is one JSON object a line"),
+    (['{"prompt": ["a"], "answer": "1"}'], "bad.jsonl:1: each line needs a prompt"),
+    (['{"prompt": "a", "answer": "1"}', '{"prompt": "x", "answer": null}'], "bad.jsonl:2: each line needs"),
+    (['{"prompt": "x", "answer": " "}'], "bad.jsonl:1: each line needs a prompt .* neither empty"),
+    (['{"question": "x", "answer": ""}'], "bad.jsonl:1: each line needs a prompt .or GSM8K's question."),
+    (['{"prompt": "a", "answer": "1"}', '{"prompt": "caf\\u00e9", "answer": "1"}'], None),
 ])
-def test_bad_dataset_names_file_and_line(tmp_path, lines, says):
+def test_bad_data_names_file_and_line(tmp_path, lines, says):
+    path = write(tmp_path / "bad.jsonl", lines)
+    if says is None:  # not UTF-8: latin-1 bytes
+        (tmp_path / "bad.jsonl").write_bytes('{"prompt": "a", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "1"}\n'
+                                             .encode("latin-1"))
+        says = "bad.jsonl:2: not valid JSON"
     with pytest.raises(SystemExit, match=says):
-        grpo.main(["--dataset", write(tmp_path / "bad.jsonl", lines), "--model", "no-such/model", "--output-dir",
-                   str(tmp_path / "out")])
+        grpo.main(["--dataset", path, "--model", "no-such/model", "--output-dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("body, says", [
-    ("def r(c, a):\n    raise KeyError('x')\n", "reward 'r' raised KeyError"),
-    ("def r(c, a):\n    return float('nan')\n", "reward 'r' returned nan"),
-])
-def test_bad_reward_is_named_before_training(tmp_path, body, says):
-    (tmp_path / "rw.py").write_text(body)
-    with pytest.raises(SystemExit, match=says):
-        grpo.main(["--reward-fn", f"{tmp_path}/rw.py:r", "--model", "no-such/model", "--output-dir", str(tmp_path)])
-    assert not os.path.exists(tmp_path / "checkpoint")
-
-
-def test_custom_reward_alone_unless_rewards_given(tmp_path):
-    (tmp_path / "rw.py").write_text("def length(c, a, **kw):\n    return len(c) / 10\n")
-    a = grpo.parse_args(["--reward-fn", f"{tmp_path}/rw.py:length"])
-    assert [n for n, _, _ in grpo.build_rewards(a)] == ["length"]
-    a = grpo.parse_args(["--reward-fn", f"{tmp_path}/rw.py:length", "--rewards", "correct:1,format:0.5"])
-    fns = grpo.build_rewards(a)
-    assert [(n, w) for n, _, w in fns] == [("correct", 1.0), ("format", 0.5), ("length", 1.0)]
-    total, per_fn = grpo.score(["\\boxed{3} xx"], [{"prompt": "1+2?", "answer": "3"}], [5], fns, a)
-    assert total.item() == pytest.approx(1.0 + 0 + 1.2) and per_fn["length"].item() == pytest.approx(1.2)
+def test_a_missing_file_or_a_directory_is_one_line(tmp_path):
+    with pytest.raises(SystemExit, match="nope.jsonl: No such file or directory"):
+        grpo.load_examples(str(tmp_path / "nope.jsonl"), True)
+    with pytest.raises(SystemExit, match="Is a directory"):
+        grpo.load_examples(str(tmp_path), True)
 
 
 def test_gsm8k_format_jsonl(tmp_path):
@@ -568,7 +748,70 @@ def test_gsm8k_format_jsonl(tmp_path):
     assert grpo.load_examples(path, graded=True) == [{"question": "2+2?", "prompt": "2+2?", "answer": "4"}]
 
 
-# ----------------------------------------------------------------------------- tier 2: tiny model in-process
+def test_gsm8k_offline_is_one_line(monkeypatch):
+    fake = type(sys)("datasets")
+    fake.load_dataset = lambda *a, **kw: (_ for _ in ()).throw(ConnectionError("Couldn't reach the hub"))
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    with pytest.raises(SystemExit, match="--dataset gsm8k: ConnectionError: Couldn't reach the hub; pass GSM8K"):
+        grpo.load_data(grpo.parse_args(["--dataset", "gsm8k"]))
+
+
+def test_eval_dataset_and_max_samples(tmp_path):
+    evals = write(tmp_path / "e.jsonl", ['{"prompt": "held out?", "answer": "1"}'])
+    train, ev = grpo.load_data(grpo.parse_args(["--eval-dataset", evals]))
+    assert len(train) == 20000 and ev == [{"prompt": "held out?", "answer": "1"}]
+    train, _ = grpo.load_data(grpo.parse_args(["--max-samples", "300"]))
+    assert train == grpo.load_data(grpo.parse_args([]))[0][:300]
+
+
+def pool_lines(prompts, n=2, reward="1.0"):
+    return [json.dumps({"prompt": p, "completion": f"\\boxed{{{i}}}", "reward": float(reward) if reward != "bad" else
+                        "abc"}) for p in prompts for i in range(n)]
+
+
+@pytest.mark.parametrize("case, says", [
+    ("missing", "pool.jsonl:1: each line needs a prompt, a completion and a finite reward"),
+    ("nan", "pool.jsonl:1: each line needs .* finite reward"),
+    ("bad", "pool.jsonl:1: each line needs .* finite reward"),
+    ("absent", "1 training prompts have fewer than --teacher-per-group 3 completions in .*pool.jsonl "
+               r"\(e.g. 'p3' has 0\).*--dataset"),
+    ("short", "3 training prompts have fewer than --teacher-per-group 3 .* 'p1' has 2.* lower --teacher-per-group"),
+    ("prompt list", "pool.jsonl:1: each line needs a prompt"),
+    ("completion null", "pool.jsonl:1: each line needs a prompt, a completion"),
+])
+def test_bad_pool_is_a_clear_error_before_training(tmp_path, case, says):
+    prompts = ["p1", "p2", "p3"]
+    data = write(tmp_path / "data.jsonl", [json.dumps({"prompt": p, "answer": "1"}) for p in prompts])
+    lines = {"missing": ['{"prompt": "p1", "completion": "x"}'], "nan": pool_lines(prompts, reward="nan"),
+             "bad": pool_lines(prompts, reward="bad"), "absent": pool_lines(prompts[:2], n=3),
+             "short": pool_lines(prompts, n=2),
+             "prompt list": ['{"prompt": ["p1"], "completion": "x", "reward": 1}'],
+             "completion null": ['{"prompt": "p1", "completion": null, "reward": 1}']}[case]
+    pool = write(tmp_path / "pool.jsonl", lines)
+    with pytest.raises(SystemExit, match=says):
+        grpo.main(["--dataset", data, "--teacher-pool", pool, "--teacher-per-group", "3", "--model", "no-such/model",
+                   "--output-dir", str(tmp_path / "out")])
+
+
+def test_teacher_completion_is_cut_at_t_and_flagged():
+    tok = tiny.make_tokenizer()
+    ids, truncated = grpo.teacher_completion(tok, "12345", tok.eos_token_id, 6)
+    assert ids.tolist() == tok("12345", add_special_tokens=False).input_ids + [tok.eos_token_id] and not truncated
+    ids, truncated = grpo.teacher_completion(tok, "1234567", tok.eos_token_id, 6)
+    assert ids.tolist() == tok("123456", add_special_tokens=False).input_ids and truncated
+
+
+def test_a_tokenizer_learnt_from_a_corpus_merges_words_and_splits_numbers_into_digits():
+    corpus = ["Ava has 23 apples and gets 45 more."] * 20
+    tok = tiny.make_tokenizer(vocab_size=300, corpus=corpus)
+    assert tok.convert_ids_to_tokens(tok("Ava has 123 apples").input_ids) == ["Ava", "Ġhas", "Ġ", "1", "2", "3",
+                                                                              "Ġapples"]  # as Qwen2 splits them
+    text = "Ben gives away 7 pens; é€ 10."  # never in the corpus: bytes, and back
+    assert tok.decode(tok(text).input_ids) == text
+    assert tok.convert_ids_to_tokens(range(4)) == tiny.SPECIALS and len(tok) <= 300
+
+
+# ============================================================================= tier 2: the tiny model, in-process
 @pytest.mark.parametrize("dtype, atol", [("fp32", 1e-4), ("bf16", 1e-2)])
 def test_train_logps_match_the_sampler(loaded, loaded_bf16, dtype, atol):
     """The training forward (left padding, position ids, hidden states of the completion only) gives the
@@ -692,8 +935,7 @@ def test_bf16_full_fine_tuning_moves_the_weights(tiny_dir):
     assert moved / n > 0.9 and kept_in_bf16 / n < 0.5, (moved / n, kept_in_bf16 / n)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("algo", ["grpo", "dapo"])
+@pytest.mark.parametrize("algo, dtype", [("grpo", "bf16"), ("dapo", "fp32")])
 def test_one_step_at_the_full_vocabulary_width(wide_dir, algo, dtype):
     """151,936 logits a token, as Qwen2.5: every sampled id decodes, the step trains, entropy is in range."""
     a = grpo.parse_args(["--model", wide_dir, "--algo", algo, "--dtype", dtype] + TINY)
@@ -827,106 +1069,6 @@ def test_top_k_and_soft_reweighting(loaded):
     assert (stats["adv/soft_weight_min"], stats["adv/soft_weight_max"]) == pytest.approx((2 / 3, 1.0), rel=1e-5)
 
 
-# ----------------------------------------------------------------------------- does it learn?
-def test_reward_rises_on_a_toy_task(tmp_path):
-    """An honest learning check (bench/learn.py, shortened and seeded): a tiny model after a short
-    supervised warm-up on 'a+b=' is trained by grpo.py (Dr. GRPO) for 100 steps; the sampled reward
-    (= accuracy) of the last 10 steps beats the first 10 by a clear margin."""
-    sys.path.insert(0, os.path.join(HERE, "bench"))
-    import learn
-    data = learn.task()
-    model = str(tmp_path / "warm")
-    learn.warmup(model, data, steps=200)
-    path = write(tmp_path / "task.jsonl", [json.dumps(d) for d in data])
-    rows, _ = learn.run(str(tmp_path / "out"), model, path, 100, ["--algo", "drgrpo"])
-    reward = [r["reward/mean"] for r in rows]
-    start, end = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
-    assert end - start > 0.2, (start, end)
-
-
-# ----------------------------------------------------------------------------- tier 3: grpo.py runs
-KEYS = ["step", "reward/mean", "reward/std", "completion/mean_length", "completion/truncated_frac", "policy/entropy",
-        "loss/clipfrac_low", "loss/clipfrac_high", "kl", "grad/norm", "groups/kept", "time/generate", "time/reward",
-        "time/train", "tokens_per_second", "accuracy", "eval/accuracy"]
-
-
-def answer_reward(tmp_path):
-    """A dense reward so a random tiny model sees differing rewards (and so gradients) in every group."""
-    (tmp_path / "rw.py").write_text("def digits(c, a, **kw):\n    return sum(ch.isdigit() for ch in c) / 10\n")
-    return ["--reward-fn", f"{tmp_path}/rw.py:digits", "--rewards", "correct"]
-
-
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])  # bf16: what --dtype auto picks on a GPU
-@pytest.mark.parametrize("algo", list(grpo.PRESETS))
-def test_each_preset_trains_two_steps_and_saves_a_loadable_adapter(tiny_dir, tmp_path, algo, dtype):
-    out = str(tmp_path / "out")
-    run(["--algo", algo, "--model", tiny_dir, "--max-steps", "2", "--output-dir", out, "--dtype", dtype] + TINY
-        + answer_reward(tmp_path))
-    rows = metrics(out, with_step_0=True)
-    assert [r["step"] for r in rows] == [0, 1, 2] and list(rows[0]) == ["step", "eval/accuracy"]  # eval before training
-    rows = rows[1:]
-    assert not [k for k in KEYS if k not in rows[-1]]
-    assert rows[0]["grad/norm"] > 0 and rows[0]["policy/entropy"] > 0
-    import peft
-    from transformers import AutoModelForCausalLM
-    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dir), out + "/checkpoint")
-    assert any(p.abs().sum() > 0 for n, p in model.named_parameters() if "lora_B" in n)  # trained, saved, loaded
-    args = json.load(open(out + "/checkpoint/grpo_args.json"))
-    assert args["algo"] == algo and args["step"] == 2
-
-
-@pytest.mark.parametrize("extra", [["--surrogate", "sapo", "--ratio", "sequence", "--num-iterations", "2"],
-                                   ["--surrogate", "cispo", "--kl", "k2", "--dtype", "bf16"],
-                                   ["--dual-clip", "3", "--kl", "k3_ratio", "--num-iterations", "2"]])
-def test_newer_losses_and_kl_terms_train(tiny_dir, tmp_path, extra):
-    out = str(tmp_path / "out")
-    run(["--algo", "grpo", "--model", tiny_dir, "--max-steps", "2", "--output-dir", out] + TINY + extra
-        + answer_reward(tmp_path))
-    rows = metrics(out)
-    assert len(rows) == 2 and all(r["grad/norm"] > 0 and math.isfinite(r["loss"]) and r["kl"] >= 0 for r in rows)
-
-
-@pytest.mark.parametrize("extra", [["--load-in-4bit"], ["--optim", "adamw_8bit"], ["--optim", "paged_adamw_8bit"],
-                                   ["--lora-r", "0", "--beta", "0.04", "--gradient-checkpointing"]])
-def test_memory_options_train(tiny_dir, tmp_path, extra):
-    out = str(tmp_path / "out")  # in bf16, as on a GPU (QLoRA: bf16 compute)
-    run(["--algo", "grpo", "--model", tiny_dir, "--max-steps", "2", "--output-dir", out, "--dtype", "bf16"] + TINY
-        + extra + answer_reward(tmp_path))
-    rows = metrics(out)
-    assert len(rows) == 2 and rows[0]["grad/norm"] > 0 and math.isfinite(rows[1]["kl"])
-
-
-def test_same_seed_same_metrics(tiny_dir, tmp_path):
-    def go(name):
-        out = str(tmp_path / name)
-        run(["--algo", "dapo", "--model", tiny_dir, "--max-steps", "2", "--output-dir", out, "--seed", "3"] + TINY
-            + answer_reward(tmp_path))
-        return [{k: v for k, v in r.items() if not k.startswith("time/") and k != "tokens_per_second"}
-                for r in metrics(out)]
-    assert go("a") == go("b")
-
-
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])  # Ctrl-C, and what a scheduler or `kill` sends
-def test_a_stop_signal_leaves_a_loadable_checkpoint(tiny_dir, tmp_path, sig):
-    out = str(tmp_path / "out")
-    p = subprocess.Popen([sys.executable, os.path.join(HERE, "grpo.py"), "--model", tiny_dir, "--max-steps", "10000",
-                          "--output-dir", out, "--save-every", "0"] + TINY, cwd=HERE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not (os.path.exists(out + "/metrics.jsonl") and os.path.getsize(out + "/metrics.jsonl")):
-        assert time.time() < deadline and p.poll() is None, p.stderr.read() if p.poll() is not None else "timeout"
-        time.sleep(0.2)
-    p.send_signal(sig)
-    assert p.wait(timeout=120) == 128 + sig  # preempted, as a scheduler reads it: not a finished run's 0
-    step = json.load(open(out + "/checkpoint/grpo_args.json"))["step"]
-    assert step == metrics(out)[-1]["step"] < 10000
-    assert f"grpo: stopped at step {step} of 10000: --resume to continue" in p.stdout.read().strip().splitlines()[-1]
-    import peft
-    from transformers import AutoModelForCausalLM
-    peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dir), out + "/checkpoint")
-
-
-# ----------------------------------------------------------------------------- mixed student + teacher pool
 def test_split_grads_sum_to_the_full_batch_gradient(loaded):
     """g_s + g_t (same normaliser, several micro-batches) equals the gradient of the full loss."""
     a, model, tok = loaded
@@ -980,382 +1122,6 @@ def test_teacher_rewards_come_from_the_pool_and_share_the_group_advantage(loaded
         assert text.tolist() == tok("I give up", add_special_tokens=False).input_ids + [tok.eos_token_id]
 
 
-def test_a_tokenizer_learnt_from_a_corpus_merges_words_and_splits_numbers_into_digits():
-    corpus = ["Ava has 23 apples and gets 45 more."] * 20
-    tok = tiny.make_tokenizer(vocab_size=300, corpus=corpus)
-    assert tok.convert_ids_to_tokens(tok("Ava has 123 apples").input_ids) == ["Ava", "Ġhas", "Ġ", "1", "2", "3",
-                                                                              "Ġapples"]  # as Qwen2 splits them
-    text = "Ben gives away 7 pens; é€ 10."  # never in the corpus: bytes, and back
-    assert tok.decode(tok(text).input_ids) == text
-    assert tok.convert_ids_to_tokens(range(4)) == tiny.SPECIALS and len(tok) <= 300
-
-
-def test_teacher_completion_is_cut_at_t_and_flagged():
-    tok = tiny.make_tokenizer()
-    ids, truncated = grpo.teacher_completion(tok, "12345", tok.eos_token_id, 6)
-    assert ids.tolist() == tok("12345", add_special_tokens=False).input_ids + [tok.eos_token_id] and not truncated
-    ids, truncated = grpo.teacher_completion(tok, "1234567", tok.eos_token_id, 6)
-    assert ids.tolist() == tok("123456", add_special_tokens=False).input_ids and truncated
-
-
-def pool_lines(prompts, n=2, reward="1.0"):
-    return [json.dumps({"prompt": p, "completion": f"\\boxed{{{i}}}", "reward": float(reward) if reward != "bad" else
-                        "abc"}) for p in prompts for i in range(n)]
-
-
-@pytest.mark.parametrize("case, says", [
-    ("missing", "pool.jsonl:1: each line needs the fields prompt, completion, reward"),
-    ("nan", "pool.jsonl:1: reward must be a finite number, not nan"),
-    ("bad", "pool.jsonl:1: reward must be a finite number, not 'abc'"),
-    ("absent", "1 training prompts have fewer than --teacher-per-group 3 completions in .*pool.jsonl "
-               r"\(e.g. 'p3' has 0\).*--dataset"),
-    ("short", "3 training prompts have fewer than --teacher-per-group 3 .* 'p1' has 2.* lower --teacher-per-group"),
-    ("prompt list", r"pool.jsonl:1: prompt must be a non-empty string, not \['p1'\]"),
-    ("completion null", "pool.jsonl:1: completion must be a non-empty string, not None"),
-])
-def test_bad_pool_is_a_clear_error_before_training(tmp_path, case, says):
-    prompts = ["p1", "p2", "p3"]
-    data = write(tmp_path / "data.jsonl", [json.dumps({"prompt": p, "answer": "1"}) for p in prompts])
-    lines = {"missing": ['{"prompt": "p1", "completion": "x"}'], "nan": pool_lines(prompts, reward="nan"),
-             "bad": pool_lines(prompts, reward="bad"), "absent": pool_lines(prompts[:2], n=3),
-             "short": pool_lines(prompts, n=2),
-             "prompt list": ['{"prompt": ["p1"], "completion": "x", "reward": 1}'],
-             "completion null": ['{"prompt": "p1", "completion": null, "reward": 1}']}[case]
-    pool = write(tmp_path / "pool.jsonl", lines)
-    with pytest.raises(SystemExit, match=says):
-        grpo.main(["--dataset", data, "--teacher-pool", pool, "--teacher-per-group", "3", "--model", "no-such/model",
-                   "--output-dir", str(tmp_path / "out")])
-
-
-def mixed_files(tmp_path, n_prompts=4):
-    data = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(n_prompts)]
-    path = write(tmp_path / "data.jsonl", [json.dumps(d) for d in data])
-    pool = write(tmp_path / "pool.jsonl", [json.dumps({"prompt": d["prompt"], "completion": c, "reward": r})
-                                           for d in data for c, r in ((f"\\boxed{{{d['answer']}}}", 1.0),
-                                                                      ("I do not know.", 0.0), ("\\boxed{7}", 0.0))])
-    return ["--dataset", path, "--teacher-pool", pool]
-
-
-@pytest.mark.parametrize("extra", [[], ["--dtype", "bf16", "--num-iterations", "2"]])
-def test_mixed_pool_run_with_split_grads(tiny_dir, tmp_path, extra):
-    out = str(tmp_path / "out")
-    run(["--algo", "drgrpo", "--model", tiny_dir, "--max-steps", "2", "--output-dir", out, "--teacher-per-group", "2",
-         "--split-grads"] + TINY + extra + mixed_files(tmp_path) + answer_reward(tmp_path))
-    for m in metrics(out):
-        ns, nt, cos = m["grad/norm_student"], m["grad/norm_teacher"], m["grad/cos_student_teacher"]
-        assert m["grad/norm"] ** 2 == pytest.approx(ns ** 2 + nt ** 2 + 2 * ns * nt * cos, rel=1e-3)
-        assert 0 <= m["reward/mean_teacher"] <= 1 and "reward/mean_student" in m
-        assert m["completion/mean_length_teacher"] > 0
-
-
-# ----------------------------------------------------------------------------- several processes (torchrun, gloo)
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-
-
-def test_two_processes_give_the_one_process_update(tiny_dir, tmp_path):
-    """Same completions, whole groups split over 2 ranks: the same parameter update as one process,
-    for token-mean, seq-mean-token-sum-norm, and seq-mean-token-mean with the per-source split."""
-    one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
-    for cmd, out in (([sys.executable], one), (TORCHRUN, two)):
-        p = subprocess.run(cmd + [os.path.join(HERE, "tiny.py"), tiny_dir, out], cwd=HERE, capture_output=True,
-                           text=True, timeout=300)
-        assert p.returncode == 0, p.stderr[-3000:]
-    one, two = torch.load(one), torch.load(two)
-    assert list(one) == tiny.CONFIGS
-    for config in tiny.CONFIGS:
-        assert_same_update(one[config]["update"], two[config]["update"])
-        assert max(u.abs().max() for u in one[config]["update"].values()) > 1e-4
-        for k, v in one[config]["metrics"].items():
-            assert two[config]["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-6), (config, k)
-
-
-def test_two_process_run_mixed_pool_dynamic_sampling_and_resume(tiny_dir, tmp_path):
-    """2 ranks, DAPO's refill in mixed-pool mode: one metrics file and checkpoint (rank 0); 3 steps straight
-    equal 2 steps + --resume to 3 (each rank's RNG and teacher draws restored)."""
-    def go(out, *extra):
-        args = ["--algo", "dapo", "--model", tiny_dir, "--output-dir", out, "--teacher-per-group", "2",
-                "--split-grads", "--max-gen-rounds", "2"] + TINY + mixed_files(tmp_path) + answer_reward(tmp_path)
-        p = subprocess.run(TORCHRUN + [os.path.join(HERE, "grpo.py")] + args + list(extra), cwd=HERE,
-                           capture_output=True, text=True, timeout=300)
-        assert p.returncode == 0, p.stderr[-3000:]
-    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
-    go(straight, "--max-steps", "3")
-    rows = metrics(straight)
-    assert [r["step"] for r in rows] == [1, 2, 3]  # one file, written by rank 0 alone
-    assert all(r["groups/kept"] <= 2 and "grad/cos_student_teacher" in r for r in rows if r["groups/kept"])
-    go(split, "--max-steps", "2")
-    go(split, "--max-steps", "3", "--resume")
-    assert steady(metrics(split)) == steady(rows)
-    a, b = trained(straight), trained(split)
-    assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-# ----------------------------------------------------------------------------- never lose a run
-TIMING = ("time/", "tokens_per_second")
-
-
-def steady(rows):
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows]
-
-
-def trained(out):
-    from safetensors.torch import load_file
-    return load_file(os.path.join(out, "checkpoint", "adapter_model.safetensors"))
-
-
-def test_resume_continues_the_run_bit_for_bit(tiny_dir, tmp_path):
-    """4 steps in one run == 2 steps, stop, --resume to 4: the same metrics and the same adapter, bit for
-    bit (optimizer, prompt stream with dynamic sampling's refills, torch/python/teacher RNG restored)."""
-    common = ["--algo", "dapo", "--model", tiny_dir, "--teacher-per-group", "1", "--max-gen-rounds", "2"] + TINY \
-        + mixed_files(tmp_path) + answer_reward(tmp_path)
-    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
-    run(common + ["--output-dir", straight, "--max-steps", "4"])
-    run(common + ["--output-dir", split, "--max-steps", "2"])
-    p = run(["--output-dir", split, "--resume", "--max-steps", "4"])  # the saved run's flags
-    last = p.stdout.strip().splitlines()[-1]
-    assert last == f"grpo: step 4 saved in {split}/checkpoint; metrics in {split}/metrics.jsonl"
-    assert steady(metrics(split)) == steady(metrics(straight)) and len(metrics(split)) == 4
-    a, b = trained(straight), trained(split)
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_resume_with_a_contradicting_flag_names_it(tiny_dir, tmp_path):
-    out = str(tmp_path / "out")
-    run(["--model", tiny_dir, "--max-steps", "1", "--output-dir", out] + TINY)
-    for flag, value in (("--num-generations", "8"), ("--algo", "dapo"), ("--model", "Qwen/Qwen2.5-0.5B-Instruct")):
-        with pytest.raises(SystemExit, match=f"--resume: {flag} is .* in the saved run"):
-            grpo.parse_args(["--output-dir", out, "--resume", flag, value])
-    assert grpo.parse_args(["--output-dir", out, "--resume", "--max-steps", "9"]).num_generations == 4
-    with pytest.raises(SystemExit, match="--resume: no checkpoint to continue"):
-        grpo.parse_args(["--output-dir", str(tmp_path / "empty"), "--resume"])
-
-
-def test_no_silent_overwrite(tiny_dir, tmp_path):
-    out = tmp_path / "out"
-    run(["--model", tiny_dir, "--max-steps", "1", "--output-dir", str(out)] + TINY)
-    before = (out / "metrics.jsonl").read_text()
-    p = run(["--model", tiny_dir, "--max-steps", "1", "--output-dir", str(out)] + TINY, check=False)
-    assert p.returncode != 0 and "--resume" in p.stderr and "--overwrite" in p.stderr
-    assert (out / "metrics.jsonl").read_text() == before
-    p = run(["--model", tiny_dir, "--max-steps", "1", "--output-dir", str(out), "--overwrite", "--seed", "5"] + TINY)
-    assert (out / "metrics.jsonl").read_text() != before and len(metrics(str(out))) == 1
-    with pytest.raises(SystemExit, match="--wandb-project needs"):  # a start-up failure touches nothing
-        grpo.main(["--model", tiny_dir, "--output-dir", str(tmp_path / "new"), "--wandb-project", "x"] + TINY)
-    assert not (tmp_path / "new").exists()
-
-
-def test_an_error_mid_run_saves_the_last_completed_step(tiny_dir, tmp_path):
-    (tmp_path / "rw.py").write_text("n = 0\ndef r(c, a):\n    global n\n    n += 1\n"
-                                    "    if n > 2 + 2 * 8:\n        raise ValueError('bad judge')\n    return n % 3\n")
-    out = str(tmp_path / "out")
-    p = run(["--model", tiny_dir, "--max-steps", "10", "--save-every", "0", "--output-dir", out,
-             "--reward-fn", f"{tmp_path}/rw.py:r"] + TINY, check=False)  # 2 probe calls, then 8 a step
-    assert p.returncode != 0
-    assert p.stderr.strip().splitlines()[-1] == ("grpo: error: reward 'r' raised ValueError: bad judge "
-                                                 f"(step 2 saved in {out}/checkpoint; metrics in {out}/metrics.jsonl)")
-    assert json.load(open(out + "/checkpoint/grpo_args.json"))["step"] == 2 == metrics(out)[-1]["step"]
-
-
-SAVE_STEPS = ("rmtree", "save_pretrained", "torch.save", "replace")
-
-
-def test_a_save_killed_at_any_point_leaves_a_whole_checkpoint(loaded, tmp_path, monkeypatch):
-    """Fail the save at each of its file operations in turn: a whole checkpoint (the old or the new one) is
-    always found where --resume looks, and the next save then succeeds over the leftovers."""
-    a, model, tok = loaded
-    a = replace(a, output_dir=str(tmp_path))
-    state = lambda step: {"step": step, "prompts_drawn": 0, "rng": [], "optimizer": {}}  # noqa: E731
-    grpo.save(model, tok, a, state(1))
-    real = {"rmtree": grpo.shutil.rmtree, "replace": grpo.os.replace, "torch.save": grpo.torch.save}
-    n_ops = 0
-
-    def count(name, fn):
-        def wrapped(*args, **kw):
-            nonlocal n_ops
-            n_ops += 1
-            if n_ops == fail_at:
-                raise KeyboardInterrupt(f"killed at {name}")
-            return fn(*args, **kw)
-        return wrapped
-    fail_at = 0
-    for fail_at in range(1, 30):
-        n_ops = 0
-        with monkeypatch.context() as m:
-            m.setattr(grpo.shutil, "rmtree", count("rmtree", real["rmtree"]))
-            m.setattr(grpo.os, "replace", count("replace", real["replace"]))
-            m.setattr(grpo.torch, "save", count("torch.save", real["torch.save"]))
-            try:
-                grpo.save(model, tok, a, state(fail_at + 1))
-            except KeyboardInterrupt:
-                pass
-            else:
-                break
-        ckpt = grpo.find_checkpoint(str(tmp_path))[0]
-        step = json.load(open(os.path.join(ckpt, "grpo_args.json")))["step"]
-        assert step in (fail_at, fail_at + 1) and torch.load(os.path.join(ckpt, "trainer_state.pt"))["step"] == step
-        import peft
-        peft.PeftModel.from_pretrained(copy.deepcopy(model.get_base_model()), ckpt)  # loads
-        grpo.save(model, tok, a, state(fail_at + 1))  # the next save works over whatever was left
-        assert grpo.find_checkpoint(str(tmp_path)) == (str(tmp_path / "checkpoint"), [])
-    assert fail_at > 5  # every operation of the save was failed once
-
-
-def write_data(tmp_path, lines, name="d.jsonl", raw=None):
-    path = tmp_path / name
-    path.write_bytes(raw) if raw is not None else path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    return str(path)
-
-
-@pytest.mark.parametrize("case, says", [
-    ("missing", "nope.jsonl: no such file"),
-    ("directory", "is a directory"),
-    ("latin1", "d.jsonl:2: not UTF-8 text"),
-    ("null answer", "d.jsonl:2: answer None holds no reference"),
-    ("empty answer", "d.jsonl:1: answer ' ' holds no reference"),
-    ("gsm8k no hashes", "d.jsonl:1: answer '4' holds no reference .GSM8K's ends in '#### N'"),
-    ("prompt not text", "d.jsonl:1: prompt must be a non-empty string"),
-    ("model without tokenizer", "has no tokenizer"),
-    ("missing model dir", "--model './no/such/dir': no such directory"),
-    ("output dir is a file", "--output-dir .* is a file"),
-    ("reward import fails", "--reward-fn: importing .*rw.py raised ZeroDivisionError"),
-    ("reward calls sys.exit", "reward 'r' raised SystemExit"),
-    ("output dir under a file", "--output-dir .*: .*/f is a file"),
-    ("prompt too long", "the longest prompt is 4[0-9]{3} tokens .chat template included.: with --max-new-tokens 12 "
-                        "that passes the model's 4096 positions"),
-    ("model is an adapter", "--model .* is a LoRA adapter, not a model: --resume --output-dir continues"),
-    ("rewards weight nan", "--rewards: weight 'nan' of 'correct' is not a finite number"),
-])
-def test_every_input_is_checked_before_anything_is_touched(tiny_dir, tmp_path, case, says):
-    out = tmp_path / "out"
-    argv = ["--model", tiny_dir, "--output-dir", str(out)]
-    ok = [{"prompt": "2+2?", "answer": "4"}]
-    if case in ("missing", "directory"):
-        argv += ["--dataset", str(tmp_path / "nope.jsonl") if case == "missing" else str(tmp_path)]
-    elif case == "latin1":
-        argv += ["--dataset", write_data(tmp_path, [], raw='{"prompt": "a", "answer": "1"}\n{"prompt": "caf\xe9", '
-                                                          '"answer": "1"}\n'.encode("latin-1"))]
-    elif case in ("null answer", "empty answer", "gsm8k no hashes", "prompt not text"):
-        lines = {"null answer": ok + [{"prompt": "x", "answer": None}],
-                 "empty answer": [{"prompt": "x", "answer": " "}],
-                 "gsm8k no hashes": [{"question": "2+2?", "answer": "4"}],
-                 "prompt not text": [{"prompt": 3, "answer": "3"}]}
-        argv += ["--dataset", write_data(tmp_path, lines[case])]
-    elif case == "model without tokenizer":
-        os.makedirs(tmp_path / "m")
-        for f in os.listdir(tiny_dir):
-            if not f.startswith("tokenizer"):
-                os.symlink(os.path.join(tiny_dir, f), tmp_path / "m" / f)
-        argv[1] = str(tmp_path / "m")
-    elif case == "missing model dir":
-        argv[1] = "./no/such/dir"
-    elif case == "output dir is a file":
-        out.write_text("x")
-    elif case == "output dir under a file":
-        (tmp_path / "f").write_text("x")
-        argv[3] = str(out := tmp_path / "f" / "sub")
-    elif case == "prompt too long":
-        argv += ["--dataset", write_data(tmp_path, [{"prompt": "x" * 4000, "answer": "1"}])]
-    elif case == "model is an adapter":
-        (tmp_path / "m").mkdir()
-        (tmp_path / "m" / "adapter_config.json").write_text("{}")
-        argv[1] = str(tmp_path / "m")
-    elif case == "rewards weight nan":
-        argv += ["--rewards", "correct:nan"]
-    else:
-        body = "1 / 0\n" if case == "reward import fails" else "import sys\ndef r(c, a):\n    sys.exit(3)\n"
-        (tmp_path / "rw.py").write_text(body)
-        argv += ["--reward-fn", f"{tmp_path}/rw.py:r"]
-    with pytest.raises(SystemExit, match=says):
-        grpo.main(argv + TINY)
-    assert not out.is_dir()
-
-
-@pytest.mark.parametrize("flag, value, says", [
-    ("--num-generations", "0", "--num-generations must be at least 1"), ("--max-grad-norm", "-1", "at least 0"),
-    ("--temperature", "0", "--temperature must be > 0"), ("--top-k", "-1", "--top-k must be at least 0"),
-    ("--top-p", "1.5", r"--top-p must be in \(0, 1\]"), ("--top-p", "0", "--top-p"),
-    ("--lora-dropout", "1", r"--lora-dropout must be in \[0, 1\)"), ("--learning-rate", "0", "--learning-rate"),
-    ("--lora-r", "-1", "--lora-r must be at least 0"), ("--max-steps", "0", "--max-steps must be at least 1"),
-    ("--save-every", "-1", "--save-every"), ("--eval-every", "-1", "--eval-every"),
-    ("--eval-samples", "-1", "--eval-samples must be at least 0"), ("--log-samples", "-1", "--log-samples must be at least 0"),
-    ("--sapo-tau-neg", "0", "--sapo-tau-neg"),
-    ("--dual-clip", "1", "--dual-clip c .* needs c > 1"), ("--beta", "-0.1", "--beta must be at least 0"),
-    ("--eps-high", "-0.1", "--eps-high must be at least 0"), ("--eval-prompts", "0", "--eval-prompts must be at least 1"),
-    ("--learning-rate", "nan", "--learning-rate must be a finite number, not nan"), ("--temperature", "nan", "finite"),
-    ("--beta", "inf", "--beta must be a finite number, not inf"), ("--max-grad-norm", "nan", "--max-grad-norm .* finite"),
-    ("--std-eps", "0", "--std-eps must be > 0"), ("--lora-alpha", "0", "--lora-alpha must be > 0"),
-    ("--eps-low", "1", r"--eps-low must be in \[0, 1\)"), ("--warmup-steps", "-1", "--warmup-steps must be at least 0"),
-])
-def test_out_of_range_flags_fail_with_their_name(flag, value, says):
-    extra = ["--teacher-pool", "p.jsonl", "--teacher-per-group", "2"] if flag == "--num-generations" else []
-    with pytest.raises(SystemExit, match=says):
-        grpo.parse_args([flag, value] + extra)
-
-
-@pytest.mark.parametrize("flag, value, choices", [
-    ("--surrogate", "ppo", "clip cispo sapo"), ("--kl", "k1", "k3 k3_ratio k2"), ("--ratio", "seq", "token sequence"),
-    ("--algo", "ppo", "grpo drgrpo dapo drgrpo_soft"), ("--scale", "mad", "std none"), ("--dtype", "fp16", "auto bf16"),
-    ("--loss-agg", "mean", "token-mean seq-mean-token-sum-norm"), ("--optim", "sgd", "adamw_torch paged_adamw_8bit")])
-def test_a_flag_outside_its_choices_fails_with_them(flag, value, choices, capsys):
-    with pytest.raises(SystemExit):
-        grpo.parse_args([flag, value])
-    err = capsys.readouterr().err
-    assert f"argument {flag}: invalid choice: '{value}'" in err and all(c in err for c in choices.split())
-
-
-def test_dual_clip_is_for_the_clipped_surrogate():
-    with pytest.raises(SystemExit, match="--dual-clip c .* and --surrogate clip"):
-        grpo.parse_args(["--dual-clip", "3", "--surrogate", "cispo"])
-
-
-def test_help_shows_each_preset_s_default(capsys):
-    with pytest.raises(SystemExit):
-        grpo.parse_args(["--help"])
-    assert "[grpo 0.04, drgrpo 0.0, dapo 0.0, drgrpo_soft 0.0]" in " ".join(capsys.readouterr().out.split())
-
-
-def test_samples_log_table_and_sampled_eval(tiny_dir, tmp_path):
-    """--log-samples: every completion of K groups a step with its rewards and advantage (Dr. GRPO: R - mean of
-    the group, by hand); the first group printed before step 1; --eval-samples adds mean@k and pass@k at step 0
-    and at the last step, from a random stream of its own: the training rows are those of a run without it."""
-    def go(name, extra):
-        out = tmp_path / name
-        p = run(["--algo", "drgrpo", "--model", tiny_dir, "--max-steps", "2", "--output-dir", str(out)] + TINY + extra
-                + answer_reward(tmp_path))
-        return out, p.stderr
-    out, stderr = go("a", ["--log-samples", "1", "--eval-samples", "3", "--eval-every", "5"])
-    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1] * 4 + [2] * 4  # 1 group of G = 4 a step
-    for r in rows:
-        assert r["reward"] == pytest.approx(r["rewards"]["digits"] + r["rewards"]["correct"], abs=1e-6)
-        assert r["length"] <= 12 and (r["length"] == 12 or not r["truncated"]) and not r["teacher"]
-    for step in (1, 2):
-        group = [r for r in rows if r["step"] == step]
-        mean = sum(r["reward"] for r in group) / 4
-        assert [r["adv"] for r in group] == pytest.approx([r["reward"] - mean for r in group], abs=1e-6)
-    table = stderr[stderr.index("prompt: "):].splitlines()
-    assert table[1].split()[-3:] == ["correct", "digits", "total"] and len(table) >= 6
-    assert table[2].split()[-1] == f"{rows[0]['reward']:.3g}"
-    with_eval = metrics(out, with_step_0=True)
-    assert [r["step"] for r in with_eval if "eval/accuracy" in r] == [0, 2]  # before training, and the last step
-    for r in (with_eval[0], with_eval[-1]):
-        assert 0 <= r["eval/mean@3"] <= r["eval/pass@2"] <= r["eval/pass@3"] <= 1
-    plain, _ = go("b", ["--eval-every", "5"])
-    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time/", "eval/", "tokens_per"))}  # noqa
-                          for r in rows]
-    assert strip(metrics(out)) == strip(metrics(plain))
-
-
-def test_warns_once_on_cut_off_completions_and_equal_rewards(tiny_dir, tmp_path):
-    (tmp_path / "one.py").write_text("def one(c, a, **kw):\n    return 1.0\n")
-    p = run(["--model", tiny_dir, "--max-steps", "3", "--output-dir", str(tmp_path / "out"), "--reward-fn",
-             f"{tmp_path}/one.py:one"] + TINY + ["--max-new-tokens", "2"])
-    warnings = [line for line in p.stderr.splitlines() if line.startswith("grpo: warning")]
-    assert len(warnings) == 2, p.stderr[-2000:]
-    assert "step 1: more than half the completions hit --max-new-tokens 2" in warnings[0]
-    assert "step 1: every group had equal rewards" in warnings[1]
-
-
 def test_a_step_that_trains_nothing_logs_no_entropy(loaded):
     a, model, tok = loaded
     groups = tiny.fixed_groups(tok, [[1.0, 1.0], [0.0, 0.0]], a)  # all-equal groups: all skipped
@@ -1393,40 +1159,6 @@ def test_token_logps_and_their_gradient_equal_the_full_logits(loaded):
         assert torch.allclose(got, exp, atol=1e-5)
 
 
-# ----------------------------------------------------------------------------- never poison a run
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_k3_ratio_gradient_is_exactly_minus_d(dtype):
-    """k3_ratio's gradient at ratio 1 is -d, d = ref - logp (TRL's and verl's "k3+" gradient), for any |d|:
-    differentiated as (1 - e^d) + (e^d - d - 1) it was 0 at d = 22 in fp32 and -32 at d = 40 in fp64."""
-    for d in [-40.0, -22.0, -5.0, -0.5, 0.5, 5.0, 17.0, 22.0, 30.0, 40.0]:
-        logp = torch.tensor([-3.0], dtype=dtype, requires_grad=True)
-        value = grpo.kl_penalty(logp, logp.detach() + d, "k3_ratio")
-        value.backward()
-        assert logp.grad.item() == -d
-        assert value.item() == pytest.approx(math.exp(d) - d - 1, rel=1e-6)
-
-
-def test_k3_ratio_is_weighted_by_the_policy_ratio_off_policy():
-    """After the first inner update (num_iterations > 1) the weight is pi / pi_old: value r k3, gradient -r d."""
-    logp, old, ref = torch.tensor([-1.0], requires_grad=True), torch.tensor([-1.5]), torch.tensor([-2.0])
-    value = grpo.kl_penalty(logp, ref, "k3_ratio", old)
-    value.backward()
-    r, d = math.exp(0.5), -1.0
-    assert value.item() == pytest.approx(r * (math.exp(d) - d - 1)) and logp.grad.item() == pytest.approx(-r * d)
-
-
-def test_a_reward_beyond_float32_or_a_non_finite_weight_stops_the_run(tmp_path):
-    a = grpo.parse_args([])
-    big = [("big", lambda c, ans, **kw: 3.5e38, 1.0)]  # finite in Python, inf in float32
-    with pytest.raises(SystemExit, match="reward 'big' returned 3.5e[+]?38 .* finite in float32"):
-        grpo.score(["x"], [{"prompt": "p", "answer": "1"}], [1], big, a)
-    with pytest.raises(SystemExit, match="weighted sum of the rewards is not finite"):
-        grpo.score(["x"], [{"prompt": "p", "answer": "1"}], [1], [("big", lambda c, ans: 3e38, 1e3)], a)
-    for w in ("nan", "inf", "x"):
-        with pytest.raises(SystemExit, match=f"weight '{w}' of 'correct' is not a finite number"):
-            grpo.build_rewards(grpo.parse_args(["--rewards", f"correct:{w}"]))
-
-
 def test_a_non_finite_step_is_not_applied(loaded):
     """NaN advantages: no update, the optimizer's state untouched, the step flagged and its metrics left out."""
     a, model, tok = loaded
@@ -1455,175 +1187,75 @@ def test_no_checkpoint_is_written_from_weights_that_are_not_finite(loaded, tmp_p
     assert json.load(open(tmp_path / "checkpoint" / "grpo_args.json"))["step"] == 1
 
 
-NAN_AFTER_TWO_STEPS = """import sys
-g = sys.modules["__main__"]  # grpo.py itself: poison its loss from step 3 on, as an overflow would
-calls, real = [0], g.policy_loss
-def poisoned(logp, *args):
-    loss, low, high = real(logp, *args)
-    return (loss * float("nan") if calls[0] > 2 + 2 * 8 else loss), low, high
-g.policy_loss = poisoned
-def r(c, a, **kw):
-    calls[0] += 1
-    return sum(ch.isdigit() for ch in c) / 10
-"""
+SAVE_STEPS = ("rmtree", "save_pretrained", "torch.save", "replace")
 
 
-def test_a_run_of_non_finite_steps_stops_and_keeps_the_last_finite_weights(tiny_dir, tmp_path):
-    (tmp_path / "rw.py").write_text(NAN_AFTER_TWO_STEPS)
-    common = ["--model", tiny_dir, "--save-every", "0", "--reward-fn", f"{tmp_path}/rw.py:r"] + TINY
-    run(common + ["--output-dir", str(tmp_path / "two"), "--max-steps", "2"])
-    p = run(common + ["--output-dir", str(tmp_path / "bad"), "--max-steps", "9"], check=False)
-    assert p.returncode == 1 and "Traceback" not in p.stderr
-    assert p.stderr.strip().splitlines()[-1].startswith("grpo: error: 3 steps in a row had a loss or gradient that "
-                                                        "was not finite, and none was applied")
-    assert "(step 4 saved in" in p.stderr and "step 3: the loss or gradient was not finite" in p.stderr
-    rows = metrics(str(tmp_path / "bad"))
-    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["train/not_finite"] == 1 for r in rows[2:])
-    a, b = trained(str(tmp_path / "two")), trained(str(tmp_path / "bad"))
-    assert all(torch.equal(a[k], b[k]) for k in a)  # steps 3-5 were never applied
+def test_a_save_killed_at_any_point_leaves_a_whole_checkpoint(loaded, tmp_path, monkeypatch):
+    """Fail the save at each of its file operations in turn: a whole checkpoint (the old or the new one) is
+    always found where --resume looks, and the next save then succeeds over the leftovers."""
+    a, model, tok = loaded
+    a = replace(a, output_dir=str(tmp_path))
+    state = lambda step: {"step": step, "prompts_drawn": 0, "rng": [], "optimizer": {}}  # noqa: E731
+    grpo.save(model, tok, a, state(1))
+    real = {"rmtree": grpo.shutil.rmtree, "replace": grpo.os.replace, "torch.save": grpo.torch.save}
+    n_ops = 0
+
+    def count(name, fn):
+        def wrapped(*args, **kw):
+            nonlocal n_ops
+            n_ops += 1
+            if n_ops == fail_at:
+                raise KeyboardInterrupt(f"killed at {name}")
+            return fn(*args, **kw)
+        return wrapped
+    fail_at = 0
+    for fail_at in range(1, 30):
+        n_ops = 0
+        with monkeypatch.context() as m:
+            m.setattr(grpo.shutil, "rmtree", count("rmtree", real["rmtree"]))
+            m.setattr(grpo.os, "replace", count("replace", real["replace"]))
+            m.setattr(grpo.torch, "save", count("torch.save", real["torch.save"]))
+            try:
+                grpo.save(model, tok, a, state(fail_at + 1))
+            except KeyboardInterrupt:
+                pass
+            else:
+                break
+        ckpt = grpo.last_checkpoint(str(tmp_path))
+        step = json.load(open(os.path.join(ckpt, "grpo_args.json")))["step"]
+        assert step in (fail_at, fail_at + 1) and torch.load(os.path.join(ckpt, "trainer_state.pt"))["step"] == step
+        import peft
+        peft.PeftModel.from_pretrained(copy.deepcopy(model.get_base_model()), ckpt)  # loads
+        grpo.save(model, tok, a, state(fail_at + 1))  # the next save works over whatever was left
+        assert grpo.last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint")
+    assert fail_at > 5  # every operation of the save was failed once
 
 
-def test_damaged_checkpoints_are_diagnosed_and_a_whole_old_one_is_used(tiny_dir, tmp_path, capsys):
-    out = tmp_path / "out"
-    run(["--model", tiny_dir, "--max-steps", "1", "--output-dir", str(out)] + TINY)
-    good = tmp_path / "good"
-    shutil.copytree(out / "checkpoint", good)
-    for name, damage, says in [("trainer_state.pt", "cut", "trainer_state.pt is damaged"),
-                               ("adapter_model.safetensors", "cut", "adapter_model.safetensors is damaged"),
-                               ("grpo_args.json", "cut", "grpo_args.json is damaged"),
-                               ("adapter_config.json", "cut", "adapter_config.json is damaged"),
-                               ("trainer_state.pt", "delete", "trainer_state.pt is missing")]:
-        shutil.rmtree(out / "checkpoint")
-        shutil.copytree(good, out / "checkpoint")
-        file = out / "checkpoint" / name
-        file.unlink() if damage == "delete" else file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
-        with pytest.raises(SystemExit, match=f"--resume: no checkpoint to continue in .*checkpoint/{says}"):
-            grpo.parse_args(["--output-dir", str(out), "--resume", "--max-steps", "3"])
-        shutil.copytree(good, out / "checkpoint.old")  # a whole previous one: --resume continues it, and says so
-        assert grpo.parse_args(["--output-dir", str(out), "--resume", "--max-steps", "3"]).max_steps == 3
-        err = capsys.readouterr().err
-        assert f"checkpoint/{says}" in err and err.strip().endswith(f"; continuing from {out}/checkpoint.old")
-        shutil.rmtree(out / "checkpoint.old")
-
-
-def test_resume_checks_the_base_model_and_reads_a_partial_metrics_line(tmp_path):
-    base = tiny.make_tiny(str(tmp_path / "base"))
-    out = str(tmp_path / "out")
-    run(["--model", base, "--max-steps", "1", "--output-dir", out] + TINY)
-    with open(out + "/metrics.jsonl", "a") as f:
-        f.write('{"step": 2, "reward/me')  # what a crash mid-write leaves
-    shutil.copytree(base, tmp_path / "saved_base")
-    for other in (dict(seed=1), dict(hidden=32)):  # the same shapes with other weights; other shapes
-        shutil.rmtree(base)
-        tiny.make_tiny(base, **other)
-        with pytest.raises(SystemExit, match="--resume: --model .* is not the base model the saved run trained"):
-            grpo.main(["--output-dir", out, "--resume", "--max-steps", "2"])
-    shutil.rmtree(base)
-    shutil.copytree(tmp_path / "saved_base", base)
-    run(["--output-dir", out, "--resume", "--max-steps", "2"])
-    assert [r["step"] for r in metrics(out)] == [1, 2]
-
-
-def test_a_full_disk_during_a_save_says_so_and_keeps_the_last_checkpoint(loaded, tmp_path, monkeypatch):
+def test_a_failed_save_removes_its_partial_copy_and_names_the_last_checkpoint(loaded, tmp_path, monkeypatch):
     a, model, tok = loaded
     a = replace(a, output_dir=str(tmp_path))
     grpo.save(model, tok, a, {"step": 1, "prompts_drawn": 0, "rng": [], "optimizer": {}})
 
-    def full(*args, **kw):
+    def full(*args, **kw):  # what torch.save raises on a full disk
         raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
     monkeypatch.setattr(grpo.torch, "save", full)
-    monkeypatch.setattr(grpo.shutil, "disk_usage", lambda p: shutil._ntuple_diskusage(100, 100, 0))
-    with pytest.raises(SystemExit, match=f"saving step 2 failed: the disk is full; the last whole checkpoint is "
+    with pytest.raises(SystemExit, match=f"saving step 2 failed .*unexpected pos.*; the last checkpoint: "
                                          f"{tmp_path}/checkpoint$"):
         grpo.save(model, tok, a, {"step": 2, "prompts_drawn": 0, "rng": [], "optimizer": {}})
     assert not (tmp_path / "checkpoint.tmp").exists()
     assert json.load(open(tmp_path / "checkpoint" / "grpo_args.json"))["step"] == 1
 
 
-def wait_for_a_step(p, out):
-    deadline = time.time() + 120
-    while not (os.path.exists(out + "/metrics.jsonl") and os.path.getsize(out + "/metrics.jsonl")):
-        assert time.time() < deadline and p.poll() is None, p.stderr.read() if p.poll() is not None else "timeout"
-        time.sleep(0.2)
-
-
-def test_one_run_per_output_dir_and_a_second_signal_stops_at_once(tiny_dir, tmp_path):
-    out = str(tmp_path / "out")
-    (tmp_path / "rw.py").write_text("import time\ndef r(c, a, **kw):  # a slow judge: a step takes 4 s\n"
-                                    "    time.sleep(0.5)\n    return len(c) % 3\n")
-    argv = [sys.executable, os.path.join(HERE, "grpo.py"), "--model", tiny_dir, "--output-dir", out, "--reward-fn",
-            f"{tmp_path}/rw.py:r"] + TINY
-    first = subprocess.Popen(argv + ["--max-steps", "10000", "--save-every", "1"], cwd=HERE, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
-    wait_for_a_step(first, out)
-    while not os.path.exists(out + "/checkpoint"):
-        time.sleep(0.2)
-    rows = len(metrics(out))
-    second = run(["--output-dir", out, "--resume", "--max-steps", "20000"], check=False)
-    assert second.returncode == 1
-    assert second.stderr.strip().splitlines()[-1] == f"grpo: error: --output-dir {out!r} is in use by a run (PID {first.pid}): " \
-                                    f"wait or stop it"
-    assert len(metrics(out)) >= rows and first.poll() is None  # the first run goes on, its log intact
-    rows = len(metrics(out))
-    while len(metrics(out)) == rows:  # a step has just ended: the next one spends 4 s in the judge
-        time.sleep(0.05)
-    first.send_signal(signal.SIGTERM)
-    time.sleep(0.5)  # apart (two signals pending at once are one), and well inside the next step
-    first.send_signal(signal.SIGTERM)
-    assert first.wait(timeout=60) == 128 + signal.SIGTERM
-    err = first.stderr.read()
-    assert "grpo: stopped at once; the last checkpoint is in" in err and "Traceback" not in err
-    grpo.parse_args(["--output-dir", out, "--resume", "--max-steps", "20000"])  # whole, after a stop at once
-
-
-def test_a_run_that_stopped_before_its_first_save_does_not_block_its_folder(tiny_dir, tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "metrics.jsonl").write_text('{"step": 0, "eval/accuracy": 0.0}\n')
-    with pytest.raises(SystemExit, match="no checkpoint to continue .* stopped before its first save leaves none; start "
-                                         "it without --resume"):
-        grpo.parse_args(["--output-dir", str(out), "--resume"])
-    (out / "samples.jsonl").write_text('{"step": 1}\n')
-    run(["--model", tiny_dir, "--max-steps", "1", "--output-dir", str(out)] + TINY)
-    assert [r["step"] for r in metrics(str(out), with_step_0=True)] == [0, 1]
-    p = run(["--output-dir", str(out), "--resume", "--max-steps", "1"])  # nothing left: says so, touches nothing
-    assert p.stdout.strip() == f"grpo: the run in {out} has done its --max-steps 1: raise it to go on"
-    run(["--model", tiny_dir, "--max-steps", "1", "--output-dir", str(out), "--overwrite"] + TINY)
-    assert (out / "samples.jsonl").read_text() == ""  # nothing of the previous run is left
-
-
-def test_reward_functions_get_the_record_s_fields(tmp_path):
-    a = grpo.parse_args([])
-    seen = []
-    fns = [("all", lambda c, ans, **kw: seen.append(("all", ans, kw)) or 1.0, 1.0),
-           ("some", lambda c, ans, prompt: seen.append(("some", ans, prompt)) or 2.0, 1.0),
-           ("none", lambda c, ans: 3.0, 1.0)]
-    ex = {"prompt": "Write f.", "answer": "", "tests": ["assert f() == 1"]}
-    total, _ = grpo.score(["def f(): return 1"], [ex], [5], fns, a)
-    assert total.item() == 6.0
-    assert seen == [("all", "", {"prompt": "Write f.", "tests": ["assert f() == 1"]}), ("some", "", "Write f.")]
-    path = write_data(tmp_path, [ex])
-    assert grpo.load_examples(path, graded=False) == [ex]
-
-
-def test_warmup_raises_the_learning_rate_linearly_then_holds(tiny_dir, tmp_path):
-    out = str(tmp_path / "out")
-    run(["--model", tiny_dir, "--max-steps", "5", "--warmup-steps", "4", "--output-dir", out] + TINY)
-    assert [r["lr"] for r in metrics(out)] == pytest.approx([1e-3 * k / 4 for k in (1, 2, 3, 4, 4)])
-
-
-def test_gsm8k_offline_is_one_line(monkeypatch):
-    fake = type(sys)("datasets")
-    fake.load_dataset = lambda *a, **kw: (_ for _ in ()).throw(ConnectionError("Couldn't reach the hub"))
-    monkeypatch.setitem(sys.modules, "datasets", fake)
-    with pytest.raises(SystemExit, match="--dataset gsm8k: loading openai/gsm8k failed .ConnectionError.; offline"):
-        grpo.load_data(grpo.parse_args(["--dataset", "gsm8k"]))
-
-
-def test_eval_dataset_is_used_with_any_dataset(tmp_path):
-    evals = write_data(tmp_path, [{"prompt": "held out?", "answer": "1"}], name="e.jsonl")
-    train, ev = grpo.load_data(grpo.parse_args(["--eval-dataset", evals]))
-    assert len(train) == 20000 and ev == [{"prompt": "held out?", "answer": "1"}]
+def test_a_diverged_model_stops_sampling_with_one_line(loaded):
+    """Logits that are not finite (weights blown up by a huge learning rate) stop the run in one line that
+    names --learning-rate, greedy or sampled, not a traceback inside the sampler."""
+    a, model, tok = loaded
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if "lora_B" in n).fill_(math.inf)
+    for greedy in (False, True):
+        with pytest.raises(SystemExit, match="logits are not finite: training diverged; lower --learning-rate"):
+            grpo.generate(model, tok, [grpo.chat_prompt(tok, "1+1?", "")], 2, a, greedy=greedy)
 
 
 # ----------------------------------------------------------------------------- the compiled sampler
@@ -1659,9 +1291,9 @@ def test_compiled_sampler_draws_what_the_uncompiled_one_draws(loaded, loaded_bf1
     texts = [grpo.chat_prompt(tok, t, a.system_prompt) for t in TEXTS]
     torch.manual_seed(0)
     plain = grpo.generate(model, tok, texts, a.num_generations, a)
-    grpo.compile_sampler(model, a, prompt_len=300)
+    sampler = grpo.compile_sampler(model, a, prompt_len=300)
     torch.manual_seed(0)
-    prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a)
+    prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a, sampler=sampler)
     same = [torch.equal(x, y) for x, y in zip(plain[1], comps)]
     assert all(same) if dtype == "fp32" else sum(same) >= len(same) - 2, same  # bf16: a near-tie may flip a draw
     assert [torch.equal(x, y) for x, y in zip(plain[0], prompts)] and truncated == plain[2]
@@ -1680,10 +1312,10 @@ def test_compiled_sampler_reads_this_step_s_weights_and_compiles_once(loaded):
     model = copy.deepcopy(model)
     a = replace(a, learning_rate=0.05)
     texts = [grpo.chat_prompt(tok, t, a.system_prompt) for t in TEXTS]
-    grpo.compile_sampler(model, a, prompt_len=300)
+    sampler = grpo.compile_sampler(model, a, prompt_len=300)
     opt = grpo.make_optimizer(a, model)
     ptrs = [p.data_ptr() for p in model.parameters()]
-    prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a)  # compiles
+    prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a, sampler=sampler)
     old = copy.deepcopy(model)
     with torch.compiler.set_stance("fail_on_recompile"):
         for step in range(2):
@@ -1693,13 +1325,13 @@ def test_compiled_sampler_reads_this_step_s_weights_and_compiles_once(loaded):
                       for i, p in enumerate(prompts)]
             m = grpo.train_step(model, None, opt, grpo.collate(groups, tok.pad_token_id, "cpu"), a)
             assert m["sampler/logp_gap"] < 1e-4  # sampled at the weights the trainer starts the step from
-            grpo.generate(model, tok, texts[:1], 1, a, greedy=True)  # evaluation's call: the same shape
-            prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a)
+            grpo.generate(model, tok, texts[:1], 1, a, greedy=True, sampler=sampler)  # evaluation's: same shape
+            prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a, sampler=sampler)
             now, mask = trainer_logps(model, tok, a, prompts, comps, 4)
             stale, _ = trainer_logps(old, tok, a, prompts, comps, 4)
-            sampler = padded(logps, mask)
-            assert ((now - sampler).abs() * mask).max() < 1e-4
-            assert ((stale - sampler).abs() * mask).max() > 0.05  # what a stale sampler would show
+            drawn = padded(logps, mask)
+            assert ((now - drawn).abs() * mask).max() < 1e-4
+            assert ((stale - drawn).abs() * mask).max() > 0.05  # what a stale sampler would show
             old = copy.deepcopy(model)
     assert [p.data_ptr() for p in model.parameters()] == ptrs  # updated in place, never swapped
 
@@ -1723,57 +1355,408 @@ def test_tis_weights_each_token_by_the_truncated_ratio(loaded):
         assert_same_update(u, {n: factor * v for n, v in base.items()})
 
 
-BROKEN_SAMPLER = """import sys
-g = sys.modules["__main__"]  # grpo.py itself: a sampler whose log-probs are off by 1 nat, as a broken cache's
-real = g.generate
-def broken(*args, **kw):
-    prompts, comps, truncated, logps = real(*args, **kw)
-    return prompts, comps, truncated, [lp - 1.0 for lp in logps]
-g.generate = broken
-def r(c, a, **kw):
-    return sum(ch.isdigit() for ch in c) / 10
-"""
 
 
-def test_a_sampler_far_from_the_trainer_stops_the_run(tiny_dir, tmp_path):
-    (tmp_path / "rw.py").write_text(BROKEN_SAMPLER)
-    p = run(["--model", tiny_dir, "--output-dir", str(tmp_path / "out"), "--max-steps", "3", "--reward-fn",
-             f"{tmp_path}/rw.py:r"] + TINY, check=False)
-    assert p.returncode == 1
-    assert p.stderr.strip().splitlines()[-1].startswith("grpo: error: the sampler's log-probs are 1.000 nat from the "
-                                                        "trainer's on average")
-    assert "--compile-generate off" in p.stderr
+# ============================================================================= tier 3: runs of grpo.py
+KEYS = ["step", "reward/mean", "reward/std", "completion/mean_length", "completion/truncated_frac", "policy/entropy",
+        "loss/clipfrac_low", "loss/clipfrac_high", "kl", "grad/norm", "groups/kept", "time/generate", "time/reward",
+        "time/train", "tokens_per_second", "accuracy", "eval/accuracy", "sampler/logp_gap", "lr", "train/rows"]
+
+
+@pytest.mark.parametrize("algo", list(grpo.PRESETS))
+def test_each_preset_trains_two_steps_and_saves_a_loadable_adapter(tiny_dir, tmp_path, algo, capsys):
+    """In bf16, what --dtype auto picks on a GPU (fp32 runs in the tests below)."""
+    out = str(tmp_path / "out")
+    main(["--algo", algo, "--model", tiny_dir, "--max-steps", "2", "--output-dir", out, "--dtype", "bf16"] + TINY
+         + reward_file(tmp_path))
+    assert capsys.readouterr().out.strip().endswith(f"grpo: step 2 saved in {out}/checkpoint; metrics in "
+                                                    f"{out}/metrics.jsonl")
+    rows = metrics(out, with_step_0=True)
+    assert [r["step"] for r in rows] == [0, 1, 2] and list(rows[0]) == ["step", "eval/accuracy"]  # eval first
+    assert not [k for k in KEYS if k not in rows[-1]]
+    assert rows[1]["grad/norm"] > 0 and rows[1]["policy/entropy"] > 0
+    import peft
+    from transformers import AutoModelForCausalLM
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dir), out + "/checkpoint")
+    assert any(p.abs().sum() > 0 for n, p in model.named_parameters() if "lora_B" in n)  # trained, saved, loaded
+    args = json.load(open(out + "/checkpoint/grpo_args.json"))
+    assert args["algo"] == algo and args["step"] == 2
+
+
+@pytest.mark.parametrize("extra", [["--surrogate", "sapo", "--ratio", "sequence", "--num-iterations", "2"],
+                                   ["--surrogate", "cispo", "--kl", "k2", "--dtype", "bf16"],
+                                   ["--dual-clip", "3", "--kl", "k3_ratio", "--num-iterations", "2"]])
+def test_newer_losses_and_kl_terms_train(tiny_dir, tmp_path, extra):
+    out = str(tmp_path / "out")
+    main(["--algo", "grpo", "--model", tiny_dir, "--max-steps", "2", "--output-dir", out] + TINY + extra
+         + reward_file(tmp_path))
+    rows = metrics(out)
+    assert len(rows) == 2 and all(r["grad/norm"] > 0 and math.isfinite(r["loss"]) and r["kl"] >= 0 for r in rows)
+
+
+@pytest.mark.parametrize("extra", [["--load-in-4bit"], ["--optim", "adamw_8bit"], ["--optim", "paged_adamw_8bit"],
+                                   ["--lora-r", "0", "--beta", "0.04", "--gradient-checkpointing"]])
+def test_memory_options_train(tiny_dir, tmp_path, extra, capsys):
+    out = str(tmp_path / "out")  # in bf16, as on a GPU (QLoRA: bf16 compute); sampling compiled where it can be
+    main(["--algo", "grpo", "--model", tiny_dir, "--max-steps", "2", "--output-dir", out, "--dtype", "bf16",
+          "--compile-generate", "on"] + TINY + extra + reward_file(tmp_path))
+    rows = metrics(out)
+    assert len(rows) == 2 and rows[0]["grad/norm"] > 0 and math.isfinite(rows[1]["kl"])
+    uncompiled = "--load-in-4bit" in extra or "--lora-r" in extra  # bnb layers; bf16 autocast over fp32 weights
+    assert ("sample uncompiled" in capsys.readouterr().err) == uncompiled
+
+
+def mixed_files(tmp_path, n_prompts=4, relative=False):
+    data = [{"prompt": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(n_prompts)]
+    path = write(tmp_path / "data.jsonl", [json.dumps(d) for d in data])
+    pool = write(tmp_path / "pool.jsonl", [json.dumps({"prompt": d["prompt"], "completion": c, "reward": r})
+                                           for d in data for c, r in ((f"\\boxed{{{d['answer']}}}", 1.0),
+                                                                      ("I do not know.", 0.0), ("\\boxed{7}", 0.0))])
+    if relative:
+        return ["--dataset", "data.jsonl", "--teacher-pool", "pool.jsonl"]
+    return ["--dataset", path, "--teacher-pool", pool]
+
+
+@pytest.mark.parametrize("extra", [[], ["--dtype", "bf16", "--num-iterations", "2"]])
+def test_mixed_pool_run_with_split_grads(tiny_dir, tmp_path, extra):
+    out = str(tmp_path / "out")
+    main(["--algo", "drgrpo", "--model", tiny_dir, "--max-steps", "2", "--output-dir", out, "--teacher-per-group",
+          "2", "--split-grads"] + TINY + extra + mixed_files(tmp_path) + reward_file(tmp_path))
+    for m in metrics(out):
+        ns, nt, cos = m["grad/norm_student"], m["grad/norm_teacher"], m["grad/cos_student_teacher"]
+        assert m["grad/norm"] ** 2 == pytest.approx(ns ** 2 + nt ** 2 + 2 * ns * nt * cos, rel=1e-3)
+        assert 0 <= m["reward/mean_teacher"] <= 1 and "reward/mean_student" in m
+        assert m["completion/mean_length_teacher"] > 0
+
+
+def test_samples_log_first_group_and_sampled_eval(tiny_dir, tmp_path, capsys):
+    """--log-samples: every completion of K groups a step with its rewards and advantage (Dr. GRPO: R - mean of
+    the group, by hand); the first group printed at step 1; --eval-samples adds mean@k and pass@k at step 0
+    and at the last step, from a random stream of its own: the training rows are those of a run without it."""
+    def go(name, extra):
+        out = tmp_path / name
+        main(["--algo", "drgrpo", "--model", tiny_dir, "--max-steps", "2", "--output-dir", str(out)] + TINY + extra
+             + reward_file(tmp_path))
+        return out, capsys.readouterr().err
+    out, stderr = go("a", ["--log-samples", "1", "--eval-samples", "3", "--eval-every", "5"])
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1] * 4 + [2] * 4  # 1 group of G = 4 a step
+    for r in rows:
+        assert r["reward"] == pytest.approx(r["rewards"]["digits"] + r["rewards"]["correct"], abs=1e-6)
+        assert r["length"] <= 12 and (r["length"] == 12 or not r["truncated"]) and not r["teacher"]
+    for step in (1, 2):
+        group = [r for r in rows if r["step"] == step]
+        mean = sum(r["reward"] for r in group) / 4
+        assert [r["adv"] for r in group] == pytest.approx([r["reward"] - mean for r in group], abs=1e-6)
+    head = stderr[stderr.index("grpo: step 1's first group: "):].splitlines()[0]
+    first = [line for line in stderr.splitlines() if line.startswith("  reward ")]
+    assert head.endswith(repr(rows[0]["prompt"])) and len(first) == 4  # G = 4, printed once
+    assert first[0].startswith(f"  reward {rows[0]['reward']:.3g} {rows[0]['rewards']}: ")
+    with_eval = metrics(out, with_step_0=True)
+    assert [r["step"] for r in with_eval if "eval/accuracy" in r] == [0, 2]  # before training, and the last step
+    for r in (with_eval[0], with_eval[-1]):
+        assert 0 <= r["eval/mean@3"] <= r["eval/pass@2"] <= r["eval/pass@3"] <= 1
+    plain, _ = go("b", ["--eval-every", "5"])
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(TIMING + ("eval/",))}  # noqa: E731
+                          for r in rows]
+    assert strip(metrics(out)) == strip(metrics(plain))
+
+
+def test_warmup_raises_the_learning_rate_linearly_then_holds(tiny_dir, tmp_path):
+    out = str(tmp_path / "out")
+    main(["--model", tiny_dir, "--max-steps", "5", "--warmup-steps", "4", "--output-dir", out] + TINY)
+    assert [r["lr"] for r in metrics(out)] == pytest.approx([1e-3 * k / 4 for k in (1, 2, 3, 4, 4)])
+
+
+def test_full_fine_tuning_in_bf16_samples_uncompiled_with_a_note(tiny_dir, tmp_path, capsys):
+    """bf16 autocast over fp32 weights gives keys (rotated in fp32) and values (bf16) two dtypes, which one static
+    KV cache cannot hold (seen on an H100): that run samples uncompiled, and says so."""
+    out = str(tmp_path / "out")
+    main(["--model", tiny_dir, "--output-dir", out, "--max-steps", "1", "--lora-r", "0", "--dtype", "bf16",
+          "--compile-generate", "on"] + TINY)
+    assert "full fine-tuning in bf16, sample uncompiled" in capsys.readouterr().err
+    assert metrics(out)[-1]["step"] == 1
 
 
 def test_three_steps_with_evaluation_and_refill_compile_the_sampler_once(tiny_dir, tmp_path):
     out = str(tmp_path / "out")
-    (tmp_path / "rw.py").write_text("n = 0\ndef r(c, a, **kw):  # step 1's first round all equal: a refill\n"
-                                    "    global n\n    n += 1\n    return 0.0 if n <= 10 else n % 2\n")
-    env = {**os.environ, "TORCH_LOGS": "recompiles"}
-    p = subprocess.run([sys.executable, os.path.join(HERE, "grpo.py")] + TINY + ["--model", tiny_dir, "--output-dir", out,
-                        "--algo", "dapo", "--max-steps", "3", "--eval-every", "1", "--eval-samples", "2",
-                        "--compile-generate", "on", "--max-gen-rounds", "2", "--reward-fn", f"{tmp_path}/rw.py:r"],
-                       cwd=HERE, capture_output=True, text=True, env=env, timeout=300)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "Recompiling" not in p.stderr and "recompil" not in p.stderr.lower(), p.stderr[-3000:]
+    body = "n = 0\ndef r(c, a, **kw):  # step 1's first round all equal: a refill\n    global n\n    n += 1\n" \
+           "    return 0.0 if n <= 10 else n % 2\n"
+    p = cli(TINY + ["--model", tiny_dir, "--output-dir", out, "--algo", "dapo", "--max-steps", "3", "--eval-every",
+                    "1", "--eval-samples", "2", "--compile-generate", "on", "--max-gen-rounds", "2"]
+            + reward_file(tmp_path, body)[:2], env={**os.environ, "TORCH_LOGS": "recompiles"})
+    assert "recompil" not in p.stderr.lower(), p.stderr[-3000:]
     rows = metrics(out)
     assert max(r["groups/gen_rounds"] for r in rows) == 2 and all("eval/pass@2" in r for r in rows)
     assert all(r["sampler/logp_gap"] < 1e-4 for r in rows if "sampler/logp_gap" in r)
 
 
-def test_full_fine_tuning_in_bf16_samples_uncompiled_with_a_note(tiny_dir, tmp_path):
-    """bf16 autocast over fp32 weights gives keys (rotated in fp32) and values (bf16) two dtypes, which one static
-    KV cache cannot hold (seen on an H100): that run samples uncompiled, and says so."""
+def test_a_sampler_far_from_the_trainer_stops_the_run(tiny_dir, tmp_path, monkeypatch):
+    real = grpo.generate
+
+    def broken(*args, **kw):  # log-probs off by 1 nat, as a broken KV cache's or a stale weight's would be
+        prompts, comps, truncated, logps = real(*args, **kw)
+        return prompts, comps, truncated, [lp - 1.0 for lp in logps]
+    monkeypatch.setattr(grpo, "generate", broken)
+    with pytest.raises(SystemExit, match="the sampler's log-probs are 1.000 nat from the trainer's on average .*"
+                                         "--compile-generate off"):
+        main(["--model", tiny_dir, "--output-dir", str(tmp_path / "out"), "--max-steps", "3"] + TINY
+             + reward_file(tmp_path))
+
+
+def test_a_run_of_non_finite_steps_stops_and_keeps_the_last_finite_weights(tiny_dir, tmp_path, monkeypatch):
+    common = ["--model", tiny_dir, "--save-every", "1"] + TINY + reward_file(tmp_path)
+    main(common + ["--output-dir", str(tmp_path / "two"), "--max-steps", "2"])
+    real, calls = grpo.policy_loss, []
+
+    def poisoned(logp, *args):  # NaN from step 3 on, as an overflow would make
+        calls.append(1)
+        loss, low, high = real(logp, *args)
+        return (loss * float("nan") if len(calls) > 2 * 3 else loss), low, high  # 3 micro-batches a step
+    monkeypatch.setattr(grpo, "policy_loss", poisoned)
+    with pytest.raises(SystemExit, match="3 steps in a row had a loss or gradient that was not finite, and none "
+                                         "was applied: lower --learning-rate"):
+        main(common + ["--output-dir", str(tmp_path / "bad"), "--max-steps", "9"])
+    rows = metrics(str(tmp_path / "bad"))
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["train/not_finite"] == 1 for r in rows[2:])
+    assert "loss" not in rows[2] and "grad/norm" not in rows[2]
+    a, b = trained(str(tmp_path / "two")), trained(str(tmp_path / "bad"))
+    assert all(torch.equal(a[k], b[k]) for k in a)  # steps 3-5 were never applied; step 4 was saved as it was
+
+
+def test_a_diverging_learning_rate_ends_in_one_line(tiny_dir, tmp_path):
+    p = cli(["--model", tiny_dir, "--output-dir", str(tmp_path / "out"), "--max-steps", "5"] + TINY
+            + ["--learning-rate", "1e30"] + reward_file(tmp_path), check=False)
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert p.stderr.strip().splitlines()[-1] == ("grpo: error: the model's logits are not finite: training "
+                                                 "diverged; lower --learning-rate")
+
+
+@pytest.mark.parametrize("case, says", [
+    ("reward calls sys.exit", "reward 'r' raised SystemExit"),
+    ("reward file missing", "--reward-fn .*: expected an existing PATH.py:FUNCTION"),
+    ("no such function", "--reward-fn: .*rw.py has no function 'nope'"),
+    ("rewards weight nan", "--rewards: weight 'nan' of 'correct' is not a finite number"),
+    ("wandb missing", "--wandb-project needs `pip install wandb`"),
+    ("model missing", "--model '.*no-such-dir'"),
+])
+def test_every_input_is_checked_before_anything_is_written(tiny_dir, tmp_path, case, says, monkeypatch):
+    out = tmp_path / "out"
+    argv = ["--model", tiny_dir, "--output-dir", str(out)] + TINY
+    (tmp_path / "rw.py").write_text("import sys\ndef r(c, a):\n    sys.exit(3)\n")
+    extra = {"reward calls sys.exit": ["--reward-fn", f"{tmp_path}/rw.py:r"],
+             "reward file missing": ["--reward-fn", f"{tmp_path}/nope.py:r"],
+             "no such function": ["--reward-fn", f"{tmp_path}/rw.py:nope"],
+             "rewards weight nan": ["--rewards", "correct:nan"], "wandb missing": ["--wandb-project", "x"],
+             "model missing": ["--model", str(tmp_path / "no-such-dir")]}[case]
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    with pytest.raises(SystemExit, match=says):
+        main(argv + extra)
+    assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- keeping a run
+def test_resume_continues_the_run_bit_for_bit_from_anywhere(tiny_dir, tmp_path):
+    """4 steps in one run == 2 steps, stop, --resume to 4: the same metrics and the same adapter, bit for bit
+    (optimizer, prompt stream with dynamic sampling's refills, torch and python RNG restored), so a run repeats
+    itself. The resumed run starts in another directory (the relative paths were saved absolute), gives the
+    teacher pool at a new path, and evaluates on more prompts: none of which changes what it trains."""
+    common = ["--algo", "dapo", "--model", tiny_dir, "--teacher-per-group", "1", "--max-gen-rounds", "2"] + TINY \
+        + mixed_files(tmp_path, relative=True) + ["--reward-fn", "rw.py:digits"]
+    reward_file(tmp_path)
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    main(common + ["--output-dir", straight, "--max-steps", "4"], cwd=tmp_path)
+    main(common + ["--output-dir", split, "--max-steps", "2"], cwd=tmp_path)
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    os.replace(tmp_path / "pool.jsonl", moved / "pool.jsonl")
+    p = cli(["--output-dir", split, "--resume", "--max-steps", "4", "--teacher-pool", "moved/pool.jsonl",
+             "--eval-prompts", "6"], cwd=tmp_path)
+    assert p.stdout.strip().splitlines()[-1] == f"grpo: step 4 saved in {split}/checkpoint; metrics in " \
+                                                f"{split}/metrics.jsonl"
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in steady(rows)]  # noqa
+    assert strip(metrics(split)) == strip(metrics(straight)) and len(metrics(split)) == 4
+    a, b = trained(straight), trained(split)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.load(open(split + "/checkpoint/grpo_args.json"))["teacher_pool"] == str(moved / "pool.jsonl")
+
+
+def test_resume_refuses_what_it_cannot_continue_in_one_line(tiny_dir, tmp_path, capsys):
     out = str(tmp_path / "out")
-    p = run(["--model", tiny_dir, "--output-dir", out, "--max-steps", "1", "--lora-r", "0", "--dtype", "bf16",
-             "--compile-generate", "on"] + TINY)
-    assert "full fine-tuning) makes two: sampling uncompiled" in p.stderr
-    assert metrics(out)[-1]["step"] == 1
+    main(["--model", tiny_dir, "--max-steps", "2", "--output-dir", out] + TINY)
+    for flag, value in (("--num-generations", "8"), ("--algo", "dapo"), ("--learning-rate", "0.1")):
+        with pytest.raises(SystemExit, match=f"--resume: {flag} is .* in the saved run"):
+            grpo.parse_args(["--output-dir", out, "--resume", flag, value])
+    assert grpo.parse_args(["--output-dir", out, "--resume", "--max-steps", "9"]).num_generations == 4
+    with pytest.raises(SystemExit, match="no checkpoint to continue in .*nowhere' .no such dir"):
+        grpo.parse_args(["--output-dir", str(tmp_path / "nowhere"), "--resume"])
+    capsys.readouterr()
+    for steps in ("2", "1"):  # done, or asked for fewer steps than it has
+        with pytest.raises(SystemExit) as stop:
+            main(["--output-dir", out, "--resume", "--max-steps", steps])
+        assert stop.value.code == 0
+        assert capsys.readouterr().out == f"grpo: the run in {out} is at step 2: raise --max-steps to go on\n"
 
 
-def test_the_built_in_task_holds_its_evaluation_prompts_out_of_training():
-    for argv in ([], ["--eval-prompts", "256", "--seed", "3"]):
-        a = grpo.parse_args(argv)
-        train, evals = grpo.load_data(a)
-        assert len(evals) == a.eval_prompts and not {e["prompt"] for e in evals} & {t["prompt"] for t in train}
-        assert len(train) > 19000 and all(R.correct(f"\\boxed{{{ex['answer']}}}", ex["answer"]) == 1 for ex in evals)
+def test_no_silent_overwrite(tiny_dir, tmp_path):
+    out = tmp_path / "out"
+    main(["--model", tiny_dir, "--max-steps", "1", "--output-dir", str(out)] + TINY)
+    before = (out / "metrics.jsonl").read_text()
+    with pytest.raises(SystemExit, match="holds a run: --resume continues it, --overwrite starts over"):
+        main(["--model", tiny_dir, "--max-steps", "1", "--output-dir", str(out)] + TINY)
+    assert (out / "metrics.jsonl").read_text() == before
+    main(["--model", tiny_dir, "--max-steps", "1", "--output-dir", str(out), "--overwrite", "--seed", "5"] + TINY)
+    assert (out / "metrics.jsonl").read_text() != before and len(metrics(str(out))) == 1
+
+
+def test_a_run_that_stopped_before_its_first_save_does_not_block_its_folder(tiny_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 0, "eval/accuracy": 0.0}\n')
+    with pytest.raises(SystemExit, match="no checkpoint to continue .* .a run that stopped before its first "
+                                         "save leaves none.; start it without --resume"):
+        grpo.parse_args(["--output-dir", str(out), "--resume"])
+    (out / "samples.jsonl").write_text('{"step": 1}\n')
+    main(["--model", tiny_dir, "--max-steps", "1", "--output-dir", str(out)] + TINY)
+    assert [r["step"] for r in metrics(str(out), with_step_0=True)] == [0, 1]
+    assert (out / "samples.jsonl").read_text() == ""  # nothing of the previous run is left
+
+
+def test_resume_from_the_old_checkpoint_and_a_partial_metrics_line(tiny_dir, tmp_path):
+    """A save killed between its two renames leaves checkpoint.old/ alone: --resume continues from it. A crash
+    mid-write leaves a partial last metrics line: it is dropped."""
+    out = str(tmp_path / "out")
+    main(["--model", tiny_dir, "--max-steps", "1", "--output-dir", out] + TINY)
+    os.replace(out + "/checkpoint", out + "/checkpoint.old")
+    with open(out + "/metrics.jsonl", "a") as f:
+        f.write('{"step": 2, "reward/me')
+    main(["--output-dir", out, "--resume", "--max-steps", "2"])
+    assert [r["step"] for r in metrics(out)] == [1, 2] and not os.path.exists(out + "/checkpoint.old")
+
+
+def start_slow_run(tiny_dir, tmp_path, out, extra=(), cmd=(sys.executable,)):
+    """grpo.py in the background with a judge that takes 0.5 s a call, so that a step spends seconds in its
+    rollout; returns once a training step is in metrics.jsonl."""
+    body = "import time\ndef r(c, a, **kw):  # a slow judge\n    time.sleep(0.5)\n    return len(c) % 3\n"
+    argv = list(cmd) + [os.path.join(HERE, "grpo.py"), "--model", tiny_dir, "--output-dir", out, "--max-steps",
+                        "10000"] + TINY + reward_file(tmp_path, body)[:2] + list(extra)
+    p = subprocess.Popen(argv, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 180
+    while not (os.path.exists(out + "/metrics.jsonl") and metrics(out)):
+        assert time.time() < deadline and p.poll() is None, p.stderr.read() if p.poll() is not None else "timeout"
+        time.sleep(0.2)
+    return p
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])  # Ctrl-C, and what a scheduler or `kill` sends
+def test_a_signal_saves_the_last_step_at_once_and_one_run_holds_the_dir(tiny_dir, tmp_path, sig):
+    """A signal that lands in a rollout (here, in the slow judge) does not wait for the step: the last
+    completed step is saved at once and the run exits 128 + signal, the status a scheduler reads as
+    "killed". Meanwhile a second run in the same output dir is refused and touches nothing."""
+    out = str(tmp_path / "out")
+    p = start_slow_run(tiny_dir, tmp_path, out, ["--save-every", "1"])
+    with pytest.raises(SystemExit, match=f"--output-dir '{out}' is in use by another run"):
+        main(["--output-dir", out, "--resume", "--max-steps", "20000"])
+    rows = len(metrics(out))
+    while len(metrics(out)) == rows:  # a step has just ended: the next one spends about 4 s in the judge
+        time.sleep(0.05)
+    time.sleep(0.5)
+    t0 = time.time()
+    p.send_signal(sig)
+    assert p.wait(timeout=60) == 128 + sig and time.time() - t0 < 3
+    step = json.load(open(out + "/checkpoint/grpo_args.json"))["step"]
+    assert step == metrics(out)[-1]["step"] == rows + 1
+    assert p.stdout.read().strip().splitlines()[-1] == f"grpo: stopped at step {step}: --resume to continue " \
+                                                       f"({out}/checkpoint; metrics in {out}/metrics.jsonl)"
+    assert "Traceback" not in p.stderr.read()
+    import peft
+    from transformers import AutoModelForCausalLM
+    peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dir), out + "/checkpoint")
+
+
+def test_a_signal_before_the_first_step_ends_saves_nothing_and_says_so(tiny_dir, tmp_path):
+    out = str(tmp_path / "out")
+    body = "import time\ndef r(c, a, **kw):\n    time.sleep(0.5)\n    return len(c) % 3\n"
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, "grpo.py"), "--model", tiny_dir, "--output-dir", out,
+                          "--max-steps", "3"] + TINY + reward_file(tmp_path, body)[:2], cwd=HERE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not os.path.exists(out + "/metrics.jsonl") or not open(out + "/metrics.jsonl").read():  # step 0's eval
+        assert p.poll() is None, p.stderr.read()
+        time.sleep(0.1)
+    time.sleep(1)  # inside step 1's judge
+    p.send_signal(signal.SIGINT)
+    assert p.wait(timeout=60) == 128 + signal.SIGINT
+    assert p.stdout.read().strip().splitlines()[-1] == "grpo: stopped before step 1 ended: nothing saved"
+    assert not os.path.exists(out + "/checkpoint")
+
+
+# ----------------------------------------------------------------------------- several processes (torchrun, gloo)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+
+
+def test_two_processes_give_the_one_process_update(tiny_dir, tmp_path):
+    """Same completions, whole groups split over 2 ranks: the same parameter update as one process,
+    for token-mean, seq-mean-token-sum-norm, and seq-mean-token-mean with the per-source split."""
+    one, two = str(tmp_path / "one.pt"), str(tmp_path / "two.pt")
+    for cmd, out in (([sys.executable], one), (TORCHRUN, two)):
+        p = subprocess.run(cmd + [os.path.join(HERE, "tiny.py"), tiny_dir, out], cwd=HERE, capture_output=True,
+                           text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+    one, two = torch.load(one), torch.load(two)
+    assert list(one) == tiny.CONFIGS
+    for config in tiny.CONFIGS:
+        assert_same_update(one[config]["update"], two[config]["update"])
+        assert max(u.abs().max() for u in one[config]["update"].values()) > 1e-4
+        for k, v in one[config]["metrics"].items():
+            assert two[config]["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-6), (config, k)
+
+
+def test_two_process_run_mixed_pool_dynamic_sampling_and_resume(tiny_dir, tmp_path):
+    """2 ranks, DAPO's refill in mixed-pool mode: one metrics file and checkpoint (rank 0); 3 steps straight
+    equal 2 steps + --resume to 3 (each rank's RNG and teacher draws restored)."""
+    def go(out, *extra):
+        args = ["--algo", "dapo", "--model", tiny_dir, "--output-dir", out, "--teacher-per-group", "2",
+                "--split-grads", "--max-gen-rounds", "2"] + TINY + mixed_files(tmp_path) + reward_file(tmp_path)
+        cli(args + list(extra), cmd=TORCHRUN)
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    go(straight, "--max-steps", "3")
+    rows = metrics(straight)
+    assert [r["step"] for r in rows] == [1, 2, 3]  # one file, written by rank 0 alone
+    assert all(r["groups/kept"] <= 2 and "grad/cos_student_teacher" in r for r in rows if r["groups/kept"])
+    go(split, "--max-steps", "2")
+    go(split, "--max-steps", "3", "--resume")
+    assert steady(metrics(split)) == steady(rows)
+    a, b = trained(straight), trained(split)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sigterm_to_torchrun_saves_the_last_step_within_its_grace(tiny_dir, tmp_path):
+    """torchrun forwards SIGTERM to every rank and kills them 30 s later: rank 0, in a rollout, saves the last
+    completed step at once; the run then continues from it."""
+    out = str(tmp_path / "out")
+    p = start_slow_run(tiny_dir, tmp_path, out, cmd=TORCHRUN)
+    t0 = time.time()
+    p.send_signal(signal.SIGTERM)
+    p.wait(timeout=90)
+    assert time.time() - t0 < 25
+    step = json.load(open(out + "/checkpoint/grpo_args.json"))["step"]
+    assert step == metrics(out)[-1]["step"] >= 1
+    cli(["--output-dir", out, "--resume", "--max-steps", str(step + 1)], cmd=TORCHRUN)
+    assert metrics(out)[-1]["step"] == step + 1
+
+
+# ----------------------------------------------------------------------------- does it learn?
+def test_reward_rises_on_a_toy_task(tmp_path):
+    """An honest learning check (bench/learn.py, shortened and seeded): a tiny model after a short supervised
+    warm-up on 'a+b=' is trained by grpo.py (Dr. GRPO); the sampled reward (= accuracy) of the last 10 steps
+    beats the first 10 by a clear margin."""
+    sys.path.insert(0, os.path.join(HERE, "bench"))
+    import learn
+    data = learn.task()
+    model = str(tmp_path / "warm")
+    learn.warmup(model, data, steps=200)
+    path = write(tmp_path / "task.jsonl", [json.dumps(d) for d in data])
+    rows, _ = learn.run(str(tmp_path / "out"), model, path, 60, ["--algo", "drgrpo"])
+    reward = [r["reward/mean"] for r in rows]
+    start, end = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
+    assert end - start > 0.2, (start, end)
