@@ -20,19 +20,15 @@ token loss -> one optimizer step (num_iterations of them). A preset only sets de
                of RAGEN's variance filter, 2504.20073 §4); token sums averaged over sequences.
 Newer losses, each a flag at the one loss site (policy_loss): --ratio sequence (GSPO, 2507.18071),
 --surrogate cispo (MiniMax-M1, 2506.13585) | sapo (2511.20347), --dual-clip (1912.09729); KL: --kl.
-Mixed pool (--teacher-pool): G_s live samples and G_t cached teacher completions with frozen rewards
-in one group (off-policy traces, as in LUFFY, 2504.14945); --split-grads backpropagates them apart.
-Departures from the papers, on purpose, are listed in README's design notes.
-
+Mixed pool (--teacher-pool): G_s samples and G_t cached teacher completions with frozen rewards in one
+group (as in LUFFY, 2504.14945); --split-grads backpropagates the two apart. Departures: README.
 Shapes: B prompts a step, G completions a prompt (G_s + G_t), N rows (B*G, or a micro-batch), P prompt
 length (left padded), C completion length (<= T = max_new_tokens), H hidden size, V vocabulary.
 """
 import argparse
-import copy
 import dataclasses
+import fcntl
 import importlib.util
-import inspect
-import itertools
 import json
 import math
 import numbers
@@ -56,19 +52,15 @@ import rewards as R
 
 
 def dash(name: str) -> str:
-    """A field's flag as typed: max_new_tokens -> --max-new-tokens."""
-    return "--" + name.replace("_", "-")
-
+    return "--" + name.replace("_", "-")  # a flag as typed: max_new_tokens -> --max-new-tokens
 
 def fail(msg: str):
     """Bad input or impossible flags: one line, and before any training where it can be found then."""
     raise SystemExit(f"grpo: error: {msg}")
 
-
 # ----------------------------------------------------------------------------- flags and presets
 def flag(default, help, choices=()):
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
-
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 PRESETS = {  # the papers' values
@@ -80,11 +72,9 @@ PRESETS = {  # the papers' values
                         soft_reweight=True),
 }
 
-
 @dataclasses.dataclass
 class Args:
-    # run
-    algo: str = flag("grpo", "preset: sets the defaults in PRESETS; explicit flags win", tuple(PRESETS))
+    algo: str = flag("grpo", "preset: sets defaults (PRESETS); explicit flags win", tuple(PRESETS))  # run
     model: str = flag("Qwen/Qwen2.5-0.5B-Instruct", "hub id or local directory")
     output_dir: str = flag("grpo_out", "checkpoint/ and metrics.jsonl go here")
     resume: bool = flag(False, "continue the run saved in --output-dir, with its flags")
@@ -95,39 +85,33 @@ class Args:
     save_every: int = flag(50, "steps between checkpoints (0: only at the end)")
     wandb_project: str = flag("", "log to this wandb project too (needs wandb installed)")
     log_samples: int = flag(0, "groups a step written to samples.jsonl: texts, rewards, advantages")
-    # data
-    dataset: str = flag("", "'' built-in arithmetic | gsm8k (needs `datasets`) | a JSONL file")
-    eval_dataset: str = flag("", "JSONL of held-out prompts (gsm8k and the built-in task have their own)")
+    dataset: str = flag("", "JSONL of prompt/answer or GSM8K's lines ('': the built-in task)")  # data
+    eval_dataset: str = flag("", "JSONL of held-out prompts (the built-in task has its own)")
     max_samples: int = flag(0, "train on the first N examples only (0: all)")
     eval_every: int = flag(50, "steps between evaluations, also before the first and at the last (0: none)")
     eval_prompts: int = flag(64, "held-out prompts an evaluation")
     eval_samples: int = flag(0, "k: also sample k completions a held-out prompt, for mean@k and pass@k")
     system_prompt: str = flag("Please reason step by step, and put your final answer within \\boxed{}.",
                               "system message of the chat template ('' for none)")
-    # generate
-    prompts_per_step: int = flag(8, "B: prompts (groups) a step, over all ranks")
+    prompts_per_step: int = flag(8, "B: prompts (groups) a step, over all ranks")  # generate
     num_generations: int = flag(8, "G_s: sampled completions a prompt")
     max_new_tokens: int = flag(256, "T: completion length cap (also Dr. GRPO's constant normaliser)")
     temperature: float = flag(1.0, "sampling temperature")
     top_p: float = flag(1.0, "nucleus sampling (1: off)")
     top_k: int = flag(0, "top-k sampling (0: off)")
-    compile_generate: str = flag("auto", "static KV cache, compiled decode step (auto: with CUDA)",
-                                 ("auto", "on", "off"))
-    # reward
-    rewards: str = flag("correct", "weighted built-in rewards, e.g. correct:1,format:0.2 (rewards.REWARDS)")
+    compile_generate: str = flag("auto", "compiled sampler (auto: with CUDA)", ("auto", "on", "off"))
+    rewards: str = flag("correct", "built-in rewards, weighted: correct:1,format:0.2 (rewards.py)")  # reward
     reward_fn: str = flag("", "your own reward, PATH.py:FUNCTION; used alone unless --rewards is given")
     overlong_penalty: bool = flag(False, "DAPO §3.4 soft overlong punishment added to the reward")
     overlong_buffer: int = flag(0, "L_cache in tokens for the overlong penalty (0: T // 5)")
-    # advantage and group filters
-    scale: str = flag("std", "std: A = (R - mean) / (std + eps) | none: R - mean (Dr. GRPO)", ("std", "none"))
+    scale: str = flag("std", "std: (R - mean) / (std + eps) | none: R - mean", ("std", "none"))  # advantage
     std_eps: float = flag(1e-6, "eps in the std scaling and in the soft weights")
     soft_reweight: bool = flag(False, "Dr. GRPO+ soft: A *= std_g / max std over the step's groups")
     dynamic_sampling: bool = flag(False, "DAPO §3.2: keep groups of unequal rewards, sample again to refill")
     max_gen_rounds: int = flag(4, "cap on sampling rounds a step for dynamic sampling")
     top_k_groups: int = flag(0, "keep the k groups with the largest reward std (0: off)")
     skip_zero_variance: bool = flag(True, "no forward/backward for equal-reward groups (exact with beta 0)")
-    # loss
-    loss_agg: str = flag("seq-mean-token-mean", "token losses to one number (aggregate_loss)", LOSS_AGGS)
+    loss_agg: str = flag("seq-mean-token-mean", "token losses to one number", LOSS_AGGS)  # loss
     eps_low: float = flag(0.2, "ratio clipped below at 1 - eps_low")
     eps_high: float = flag(0.2, "ratio clipped above at 1 + eps_high (DAPO clip-higher: 0.28)")
     ratio: str = flag("token", "token: pi / pi_old | sequence: GSPO's", ("token", "sequence"))
@@ -140,31 +124,25 @@ class Args:
     mask_truncated: bool = flag(False, "DAPO §3.4 overlong filtering: no loss on completions without EOS")
     tis: float = flag(0.0, "C: weight token losses by min(pi_old / pi_sampler, C), truncated IS (0: off)")
     num_iterations: int = flag(1, "optimizer steps a rollout batch (old_logp computed once if > 1)")
-    # mixed student + teacher pool
-    teacher_pool: str = flag("", "JSONL of cached teacher completions: prompt, completion, reward")
+    teacher_pool: str = flag("", "JSONL of cached teacher completions: prompt, completion, reward")  # pool
     teacher_per_group: int = flag(0, "G_t: teacher completions a group, beside the G_s student samples")
     split_grads: bool = flag(False, "backpropagate student and teacher halves apart; log |g_s|, |g_t|, cos")
-    # model and optimizer
-    lora_r: int = flag(16, "LoRA rank (0: full fine-tuning)")
+    lora_r: int = flag(16, "LoRA rank (0: full fine-tuning)")  # model and optimizer
     lora_alpha: int = flag(32, "LoRA alpha")
     lora_dropout: float = flag(0.0, "LoRA dropout (0 keeps logp deterministic between passes)")
     load_in_4bit: bool = flag(False, "QLoRA: 4-bit NF4 base weights (bitsandbytes)")
     dtype: str = flag("auto", "auto: bf16 where supported, else fp32", ("auto", "bf16", "fp32"))
     gradient_checkpointing: bool = flag(False, "recompute activations in backward")
     micro_batch_size: int = flag(8, "rows a training forward/backward (gradient accumulation)")
-    optim: str = flag("adamw_torch", "AdamW: torch's, or bitsandbytes' 8-bit or paged 8-bit",
-                      ("adamw_torch", "adamw_8bit", "paged_adamw_8bit"))
+    optim: str = flag("adamw_torch", "AdamW's", ("adamw_torch", "adamw_8bit", "paged_adamw_8bit"))
     learning_rate: float = flag(2e-5, "AdamW learning rate")
     warmup_steps: int = flag(0, "linear warm-up of the learning rate over N steps (DAPO: 20)")
     weight_decay: float = flag(0.0, "AdamW weight decay")
     max_grad_norm: float = flag(1.0, "clip the gradient norm (0: no clipping)")
 
-
-# what --resume lets change: how long and how often, and where the files are now
 PATHS = ("model", "dataset", "eval_dataset", "reward_fn", "teacher_pool")
 RESUMABLE = {"resume", "output_dir", "max_steps", "save_every", "eval_every", "eval_prompts", "eval_samples",
-             "log_samples", "wandb_project", "compile_generate", "dry_run", *PATHS}
-
+             "log_samples", "wandb_project", "compile_generate", "dry_run", *PATHS}  # may change on --resume
 
 def parse_args(argv=None) -> Args:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], argument_default=argparse.SUPPRESS)
@@ -178,9 +156,10 @@ def parse_args(argv=None) -> Args:
     defaults = PRESETS[given.get("algo", Args.algo)]  # a preset is defaults; an explicit flag wins
     if given.get("resume"):  # the saved run's flags are the defaults
         out = given.get("output_dir", Args.output_dir)
+        if not os.path.isdir(out):
+            fail(f"--resume: no directory {out!r}")
         if last_checkpoint(out) is None:
-            why = "a run that stopped before its first save leaves none" if os.path.isdir(out) else "no such dir"
-            fail(f"--resume: no checkpoint to continue in {out!r} ({why}); start it without --resume")
+            fail(f"--resume: no checkpoint in {out!r} (a run that stopped before its first save leaves none)")
         with open(os.path.join(last_checkpoint(out), "grpo_args.json")) as f:
             defaults = {k: v for k, v in json.load(f).items() if k in Args.__dataclass_fields__}
         for k, v in given.items():
@@ -192,15 +171,12 @@ def parse_args(argv=None) -> Args:
     a = Args(**{**defaults, **given})
     if a.overlong_penalty and a.overlong_buffer == 0:  # derived values
         a.overlong_buffer = max(1, a.max_new_tokens // 5)
-    for name in PATHS:  # saved as absolute paths, so that --resume works from any directory
-        path, colon, fn = getattr(a, name), "", ""
-        if name == "reward_fn":
-            path, colon, fn = a.reward_fn.rpartition(":")
+    for name in PATHS:  # saved absolute, so that --resume works from any directory
+        path = getattr(a, name).split(":")[0]  # --reward-fn is PATH.py:FUNCTION
         if path and os.path.exists(path):
-            setattr(a, name, os.path.abspath(path) + colon + fn)
+            setattr(a, name, os.path.abspath(path) + getattr(a, name)[len(path):])
     check_args(a)
     return a
-
 
 def check_args(a: Args):
     """Flags that would fail late or misbehave silently fail here, the first found, with what to change."""
@@ -231,15 +207,14 @@ def check_args(a: Args):
         (a.load_in_4bit and a.lora_r == 0, "--load-in-4bit trains LoRA adapters: set --lora-r > 0"),
         (a.overlong_buffer > a.max_new_tokens, "--overlong-buffer must be at most --max-new-tokens"),
         (a.top_k_groups > a.prompts_per_step, "--top-k-groups must be at most --prompts-per-step"),
-        (bool(a.teacher_pool) != (a.teacher_per_group > 0),
-         "the mixed pool needs both --teacher-pool PATH and --teacher-per-group G_T > 0"),
-        (a.split_grads and not a.teacher_pool, "--split-grads splits the pool from the samples: add --teacher-pool"),
+        (bool(a.teacher_pool) != (a.teacher_per_group > 0), "the mixed pool needs both --teacher-pool PATH "
+                                                             "and --teacher-per-group G_T > 0"),
+        (a.split_grads and not a.teacher_pool, "--split-grads needs --teacher-pool (the teacher half)"),
         (a.dataset == "" and a.eval_prompts > HELD_OUT, f"--eval-prompts: the built-in task has {HELD_OUT}"),
         (not a.rewards and not a.reward_fn, "no reward: give --rewards and/or --reward-fn")]
     for bad, msg in checks:
         if bad:
             fail(msg)
-
 
 def describe(a: Args) -> str:
     """--dry-run: the objective the resolved flags optimise, in one formula, then every flag."""
@@ -255,27 +230,26 @@ def describe(a: Args) -> str:
     norm = {"token-mean": "Σ_i |o_i|", "seq-mean-token-mean": "n_seq |o_i|", "seq-mean-token-sum": "n_seq",
             "seq-mean-token-sum-norm": f"n_seq·{a.max_new_tokens}"}[a.loss_agg]
     ratio = {"token": "π_θ/π_old per token", "sequence": "s_i = exp(mean_t log π_θ/π_old)"}[a.ratio]
-    adv = {"std": "(R_i - mean_g(R)) / (std_g(R) + eps)", "none": "R_i - mean_g(R)"}[a.scale]
-    soft = {True: "  ·  std_g / max_g' std_g'", False: ""}[a.soft_reweight]
-    reward = {a.rewards.replace(",", " + "): a.rewards, a.reward_fn: a.reward_fn,
-              f"overlong(L_cache={a.overlong_buffer})": a.overlong_penalty}
+    lines = [f"J(θ) = E_q [ Σ_i Σ_t ({term}) / ({norm}) ],  r = {ratio}"]
+    lines.append({"std": "  A_i = (R_i - mean_g(R)) / (std_g(R) + eps)", "none": "  A_i = R_i - mean_g(R)"}[
+        a.scale])
+    if a.soft_reweight:
+        lines[-1] += "  ·  std_g / max_g' std_g'"
+    lines.append("  R = " + " + ".join(filter(None, [a.rewards.replace(",", " + "), a.reward_fn])))
+    if a.overlong_penalty:
+        lines[-1] += f" + overlong(L_cache={a.overlong_buffer})"
     filters = {f"dynamic sampling (≤{a.max_gen_rounds} rounds)": a.dynamic_sampling,
                f"top-{a.top_k_groups} groups by std": a.top_k_groups, "truncated masked": a.mask_truncated}
-    flags = textwrap.fill(" ".join(f"{dash(k)} {v!r}" for k, v in dataclasses.asdict(a).items()), 100)
-    return "\n".join([f"J(θ) = E_q [ Σ_i Σ_t ({term}) / ({norm}) ],  r = {ratio}", f"  A_i = {adv}{soft}",
-                      f"  R = {' + '.join(k for k, on in reward.items() if on)}",
-                      f"  filters: {', '.join(k for k, on in filters.items() if on) or 'none'}",
-                      "  (--dtype auto: bf16 on a GPU that has it, else fp32)", "", flags])
+    lines.append(f"  filters: {', '.join(k for k, on in filters.items() if on) or 'none'}\n")
+    return "\n".join(lines + [textwrap.fill(" ".join(f"{dash(k)} {v!r}" for k, v in vars(a).items()), 100)])
 
 
 # ----------------------------------------------------------------------------- data
 HELD_OUT = 2900  # problems the built-in task holds out: about one in four of its 11,803
 
-
 def arithmetic_task(n: int, seed: int, held_out: bool = False) -> list[dict]:
-    """The built-in verifiable task: n seeded one-step arithmetic word problems, made on the fly. One problem
-    in four (an operation and its numbers, in any wording) is held out by a hash of itself: the training
-    split never has it, whatever the flags. The held-out split has each of its problems once."""
+    """The built-in verifiable task: n seeded one-step arithmetic word problems. One problem in four (its
+    operation and numbers, in any wording) is held out, by a hash of itself, whatever the flags."""
     rng = random.Random(seed)
     out = []
     seen = set()
@@ -288,7 +262,7 @@ def arithmetic_task(n: int, seed: int, held_out: bool = False) -> list[dict]:
         problem = (kind, a * b, a) if kind == 3 else (kind, min(a, b), max(a, b))
         if (zlib.crc32(repr(problem).encode()) % 4 == 0) != held_out or problem in seen:
             continue
-        if held_out:
+        if held_out:  # each held-out problem once
             seen.add(problem)
         question = [f"{who} has {a} {what} and gets {b} more. How many {what} does {who} have now?",
                     f"{who} has {max(a, b)} {what} and gives away {min(a, b)}. How many {what} are left?",
@@ -296,7 +270,6 @@ def arithmetic_task(n: int, seed: int, held_out: bool = False) -> list[dict]:
                     f"{who} shares {a * b} {what} equally among {a} friends. How many does each get?"][kind]
         out.append({"prompt": question, "answer": str([a + b, abs(a - b), a * b, b][kind])})
     return out
-
 
 def read_jsonl(path: str) -> list[tuple[int, dict]]:
     """(line number, record) for each non-empty line of a JSONL file; an error names the file and the line."""
@@ -319,83 +292,60 @@ def read_jsonl(path: str) -> list[tuple[int, dict]]:
         fail(f"{path}: no examples")
     return rows
 
-
 def load_examples(path: str, graded: bool) -> list[dict]:
-    """prompt/answer records, or GSM8K's question/answer ('... #### N'); other fields go to the rewards.
-    graded: a built-in correctness reward reads the answers, so none may be empty."""
+    """prompt/answer records, or GSM8K's question/answer ('... #### N'); other fields go to the rewards."""
     out = []
     for i, rec in read_jsonl(path):
         prompt = rec.get("question", rec.get("prompt"))
-        answer = rec.get("answer")
-        empty = answer is None or graded and not str(answer).strip()
+        empty = rec.get("answer") is None or graded and not str(rec["answer"]).strip()  # graded: it is read
         if not isinstance(prompt, str) or not prompt.strip() or empty:
             fail(f"{path}:{i}: each line needs a prompt (or GSM8K's question) and an answer, neither empty")
-        out.append({**rec, "prompt": prompt, "answer": R.reference_answer(str(answer))})
+        out.append({**rec, "prompt": prompt, "answer": R.reference_answer(str(rec["answer"]))})
     return out
 
-
 def load_data(a: Args) -> tuple[list[dict], list[dict]]:
-    """(train, eval) examples: dicts with 'prompt', 'answer' (the reference a reward compares to) and any
-    other field of the data file. --eval-dataset replaces a dataset's own held-out prompts."""
+    """(train, eval): dicts with 'prompt', 'answer' (the reference) and the data file's other fields."""
     graded = any(part.split(":")[0].strip() in ("correct", "correct_pm1", "math_verify")
                  for part in a.rewards.split(","))
     evals = []
     if a.dataset == "":
         train = arithmetic_task(20000, a.seed)
         evals = arithmetic_task(a.eval_prompts, 0, held_out=True)
-    elif a.dataset == "gsm8k":
-        try:
-            import datasets
-            ds = datasets.load_dataset("openai/gsm8k", "main")
-        except Exception as e:  # `datasets` is not installed, or the hub cannot be reached
-            fail(f"--dataset gsm8k: {type(e).__name__}: {e}; pass GSM8K's train.jsonl as --dataset instead")
-        train = [{"prompt": r["question"], "answer": R.reference_answer(r["answer"])} for r in ds["train"]]
-        evals = [{"prompt": r["question"], "answer": R.reference_answer(r["answer"])} for r in ds["test"]]
     else:
         train = load_examples(a.dataset, graded)
     if a.eval_dataset:
         evals = load_examples(a.eval_dataset, graded)
     return train[:a.max_samples or None], evals[:a.eval_prompts]
 
-
 def load_teacher_pool(a: Args, train: list[dict]) -> dict[str, list[tuple[str, float]]]:
     """prompt -> [(completion, frozen reward)]; every training prompt must have at least G_t of them."""
     pool = {}
     for i, r in read_jsonl(a.teacher_pool):
-        reward = r.get("reward")
-        if not (isinstance(r.get("prompt"), str) and isinstance(r.get("completion"), str) and r["completion"]
-                and isinstance(reward, (int, float)) and math.isfinite(reward)):
+        ok = isinstance(r.get("prompt"), str) and isinstance(r.get("completion"), str) and r["completion"]
+        if not ok or not isinstance(r.get("reward"), (int, float)) or not math.isfinite(r["reward"]):
             fail(f"{a.teacher_pool}:{i}: each line needs a prompt, a completion and a finite reward")
-        pool.setdefault(r["prompt"], []).append((r["completion"], float(reward)))
-    prompts = dict.fromkeys(ex["prompt"] for ex in train)
-    short = [p for p in prompts if len(pool.get(p, ())) < a.teacher_per_group]
+        pool.setdefault(r["prompt"], []).append((r["completion"], float(r["reward"])))
+    short = [ex["prompt"] for ex in train if len(pool.get(ex["prompt"], [])) < a.teacher_per_group]
     if short:
-        fail(f"{len(short)} training prompts have fewer than --teacher-per-group {a.teacher_per_group} "
-             f"completions in {a.teacher_pool} (e.g. {short[0][:60]!r} has {len(pool.get(short[0], ()))}): "
-             f"add them, lower --teacher-per-group, or train on the pool's prompts with --dataset")
+        fail(f"{len(set(short))} training prompts have fewer than --teacher-per-group {a.teacher_per_group} "
+             f"completions in the pool, e.g. {short[0][:60]!r}: add them, or lower --teacher-per-group")
     return pool
 
-
-def prompt_stream(data: list[dict], seed: int, start: int = 0):
-    """Endless and seeded: every rank draws the same order and takes its own slice of each batch. start:
-    prompts already drawn (--resume)."""
-    def endless():
-        rng = random.Random(seed)
-        while True:
-            order = list(range(len(data)))
-            rng.shuffle(order)
-            yield from (data[i] for i in order)
-    return itertools.islice(endless(), start, None)
-
+def prompt_stream(data: list[dict], seed: int):
+    """Endless and seeded: every rank draws the same order, and takes its own slice of each batch."""
+    rng = random.Random(seed)
+    while True:
+        order = list(range(len(data)))
+        rng.shuffle(order)
+        yield from (data[i] for i in order)
 
 # ----------------------------------------------------------------------------- model
 def load_model(a: Args, device: torch.device, resume: str | None = None):
-    """Policy (LoRA, QLoRA or full), tokenizer, and a frozen reference only for full fine-tuning with KL.
+    """Policy (LoRA, QLoRA or full), tokenizer, and a frozen reference for full fine-tuning with KL;
     resume: a checkpoint whose adapter (or whole model) replaces the fresh one."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, GenerationConfig
-    dtype = torch.float32  # full fine-tuning keeps fp32 weights, in bf16 autocast when bf16 is on
-    if use_bf16(a, device) and a.lora_r > 0:
-        dtype = torch.bfloat16
+    # LoRA: bf16 base weights when bf16 is on; full fine-tuning keeps fp32 weights, in bf16 autocast
+    dtype = torch.bfloat16 if use_bf16(a, device) and a.lora_r > 0 else torch.float32
     try:
         tok = AutoTokenizer.from_pretrained(a.model)
     except OSError as e:  # not a local directory, and not on the hub (or no network)
@@ -405,8 +355,8 @@ def load_model(a: Args, device: torch.device, resume: str | None = None):
     kw = dict(dtype=dtype, device_map={"": device})
     if a.load_in_4bit:
         kw["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                                       bnb_4bit_compute_dtype=dtype,
-                                                       bnb_4bit_use_double_quant=True)
+                                                       bnb_4bit_use_double_quant=True,
+                                                       bnb_4bit_compute_dtype=dtype)
     model = AutoModelForCausalLM.from_pretrained(resume if resume and a.lora_r == 0 else a.model, **kw)
     for m in model.modules():  # bitsandbytes on CPU repacks 4-bit weights in eval mode; training then fails
         if hasattr(m, "support_avx512bf16_for_cpu"):
@@ -426,26 +376,20 @@ def load_model(a: Args, device: torch.device, resume: str | None = None):
             model = peft.prepare_model_for_kbit_training(model, a.gradient_checkpointing)
         config = peft.LoraConfig(r=a.lora_r, lora_alpha=a.lora_alpha, lora_dropout=a.lora_dropout,
                                  target_modules="all-linear", task_type="CAUSAL_LM")
+        model = peft.get_peft_model(model, config)
         if resume:
-            model = peft.PeftModel.from_pretrained(model, resume, is_trainable=True)
-        else:
-            model = peft.get_peft_model(model, config)
+            model.load_adapter(resume, "default", is_trainable=True)
     elif a.beta > 0:  # full fine-tuning with KL: a frozen copy of the starting model is the reference
-        ref_model = AutoModelForCausalLM.from_pretrained(a.model, **kw) if resume else copy.deepcopy(model)
-        ref_model.eval().requires_grad_(False)
-    # from_pretrained returns eval mode, where the layers skip gradient checkpointing and LoRA dropout
-    return model.train(), tok, ref_model
-
+        ref_model = AutoModelForCausalLM.from_pretrained(a.model, **kw).eval().requires_grad_(False)
+    return model.train(), tok, ref_model  # (from_pretrained gives eval mode: no checkpointing, no dropout)
 
 def use_bf16(a: Args, device: torch.device) -> bool:
     auto = device.type == "cuda" and torch.cuda.is_bf16_supported()
     return a.dtype == "bf16" or a.dtype == "auto" and auto
 
-
 def autocast(a: Args, device: torch.device):
     """bf16 autocast around full fine-tuning's forwards (its weights stay fp32, see load_model)."""
     return torch.autocast(device.type, torch.bfloat16, enabled=a.lora_r == 0 and use_bf16(a, device))
-
 
 def make_optimizer(a: Args, model):
     params = [p for p in model.parameters() if p.requires_grad]  # only what trains reaches the optimizer
@@ -455,7 +399,6 @@ def make_optimizer(a: Args, model):
     optimizer = bnb.optim.AdamW8bit if a.optim == "adamw_8bit" else bnb.optim.PagedAdamW8bit
     return optimizer(params, lr=a.learning_rate, weight_decay=a.weight_decay)
 
-
 # ----------------------------------------------------------------------------- generate
 def chat_prompt(tok, prompt: str, system: str) -> str:
     if not tok.chat_template:
@@ -463,7 +406,6 @@ def chat_prompt(tok, prompt: str, system: str) -> str:
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": prompt})
     return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
 
 def completion_mask(ids: torch.Tensor, eos_ids) -> tuple[torch.Tensor, torch.Tensor]:
     """ids (N, C) -> mask (N, C): 1 up to and including the first EOS, 0 after; truncated (N,): no EOS.
@@ -473,22 +415,18 @@ def completion_mask(ids: torch.Tensor, eos_ids) -> tuple[torch.Tensor, torch.Ten
     mask = torch.arange(ids.shape[1], device=ids.device)[None] <= first[:, None]
     return mask, ~is_eos.any(1)
 
-
 @torch.no_grad()
 def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False, sampler=None):
-    """n completions a prompt text -> prompt ids a text, completions cut after their first EOS, truncated, and
-    the sampler's own log-prob of each completion token at the sampling temperature (NaN when greedy).
-    sampler (compile_sampler's): every call has one shape, so that the decode step compiles once."""
+    """n completions a prompt -> prompt ids, completions cut after their first EOS, truncated, and the
+    sampler's log-prob of each token (NaN when greedy). sampler: compile_sampler's one shape for all calls."""
     enc = tok(texts, return_tensors="pt", padding="max_length" if sampler else True,
               max_length=sampler and sampler["prompt_len"], add_special_tokens=not tok.chat_template)
-    enc = enc.to(model.device)
-    ids = enc.input_ids.repeat_interleave(n, 0)  # (rows, P)
-    attn = enc.attention_mask.repeat_interleave(n, 0)
+    ids = enc.input_ids.repeat_interleave(n, 0).to(model.device)  # (rows, P)
+    attn = enc.attention_mask.repeat_interleave(n, 0).to(model.device)
     extra = -len(ids) % sampler["rows"] if sampler else 0  # rows added for the one shape, dropped after
     ids = torch.cat([ids, ids[-1:].expand(extra, -1)])
     attn = torch.cat([attn, attn[-1:].expand(extra, -1)])
     steps, last, finite = [], [], []  # one step's (rows, V) log-probs are kept at a time, never (rows, T, V)
-
     def record(input_ids, scores):  # before each draw, on raw logits (ahead of temperature and top-k/p)
         if last:  # input_ids ends with the previous draw
             steps.append(last.pop().gather(1, input_ids[:, -1:])[:, 0])
@@ -497,7 +435,7 @@ def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False
         if not greedy:
             last.append(torch.log_softmax(scores.float() / a.temperature, -1))
         return torch.where(ok, scores, 0.0)  # a diverged model fails below, not inside the sampler
-    kw = dict(do_sample=not greedy, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
+    kw = dict(do_sample=True, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
     if greedy:
         kw = dict(do_sample=False)
     if sampler:
@@ -512,39 +450,27 @@ def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False
     if last:  # the last draw
         steps.append(last.pop().gather(1, out[:, -1:])[:, 0])
     comp = out[:len(out) - extra, ids.shape[1]:]  # (len(texts) * n, C)
-    logp = torch.full(comp.shape, math.nan, device=out.device)
-    if steps:
-        logp = torch.stack(steps, 1)[:len(comp)]
+    logp = torch.stack(steps, 1)[:len(comp)] if steps else torch.full(comp.shape, math.nan, device=out.device)
     mask, truncated = completion_mask(comp, model.generation_config.eos_token_id)
     prompts = [p[m.bool()] for p, m in zip(enc.input_ids, enc.attention_mask)]
     comps = [c[m] for c, m in zip(comp, mask)]
     return prompts, comps, truncated.tolist(), [lp[m] for lp, m in zip(logp, mask)]
 
-
 def compile_sampler(model, a: Args, prompt_len: int, world: int = 1) -> dict | None:
-    """--compile-generate: one shape for every sampling call (prompts left-padded to the run's longest, rows
-    padded to B / ranks x G, a static KV cache), so that transformers compiles the decode step once, with
-    CUDA graphs on a GPU (traced on a CPU). The LoRA stays unmerged and the graph reads the weights in place,
-    so it samples each step's policy. None for the two runs that cannot compile, with a note."""
+    """--compile-generate: one shape for every call (prompts padded to the longest, rows to B / ranks x G,
+    a static KV cache), so the decode step compiles once, reading the weights in place. None for two runs."""
     from transformers import CompileConfig
     if a.load_in_4bit or a.lora_r == 0 and use_bf16(a, model.device):  # see README, "Design notes"
         print("grpo: note: QLoRA, and full fine-tuning in bf16, sample uncompiled", file=sys.stderr)
         return None
     config = CompileConfig(dynamic=False)
-    if model.device.type != "cuda":
+    if model.device.type != "cuda":  # traced on a CPU, without generated code
         config = CompileConfig(dynamic=False, backend="eager", mode=None)
     config._compile_all_devices = True
     rows = a.prompts_per_step // world * a.num_generations
     return dict(prompt_len=prompt_len, rows=rows, compile_config=config)
 
-
-def teacher_completion(tok, text: str, eos_id: int, max_new_tokens: int) -> tuple[torch.Tensor, bool]:
-    """A cached completion tokenized as the policy would emit it: text + EOS, cut at T (then truncated)."""
-    ids = tok(text, add_special_tokens=False).input_ids + [eos_id]
-    return torch.tensor(ids[:max_new_tokens]), len(ids) > max_new_tokens
-
-
-# ----------------------------------------------------------------------------- reward
+# ----------------------------------------------------------------------------- reward and advantage
 def build_rewards(a: Args) -> list[tuple[str, object, float]]:
     """[(name, function, weight)] from --rewards name:weight,... and --reward-fn PATH.py:FUNCTION."""
     fns = []
@@ -568,21 +494,16 @@ def build_rewards(a: Args) -> list[tuple[str, object, float]]:
         fns.append((name, fn, 1.0))
     return fns
 
-
 def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns, a: Args):
-    """Rewards (n,) and each function's values. A function gets the completion, the reference answer and, as
-    keyword arguments it takes, the prompt and the example's other fields (as TRL's do). A reward that raises
-    or returns anything but a number finite in float32 (the step's dtype) stops the run, named."""
+    """Rewards (n,) and each function's values. A function gets the completion, the answer and, as keywords,
+    the example's other fields (as TRL's); one that raises or gives no finite number stops the run."""
     total = torch.zeros(len(texts))
     per_fn = {}
     for name, fn, weight in reward_fns:
-        params = inspect.signature(fn).parameters
-        takes_all = any(p.kind == p.VAR_KEYWORD for p in params.values())
         values = []
         for text, ex in zip(texts, examples):
-            kw = {k: v for k, v in ex.items() if k != "answer" and (takes_all or k in params)}
             try:
-                values.append(fn(text, ex["answer"], **kw))
+                values.append(fn(text, ex["answer"], **{k: v for k, v in ex.items() if k != "answer"}))
             except (Exception, SystemExit) as e:  # a user's reward: say which one and why, then stop
                 fail(f"reward {name!r} raised {type(e).__name__}: {e}")
             if not isinstance(values[-1], numbers.Real) or not torch.tensor(float(values[-1])).isfinite():
@@ -595,8 +516,6 @@ def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns
         fail("the weighted sum of the rewards is not finite in float32: lower the --rewards weights")
     return total, per_fn
 
-
-# ----------------------------------------------------------------------------- advantage
 def group_advantages(rewards: torch.Tensor, scale: str = "std", eps: float = 1e-6) -> torch.Tensor:
     """rewards (B, G) -> adv (B, G). GRPO (2402.03300) §4.1.2: (R - mean) / (std + eps), std unbiased
     (torch's default, as TRL and verl). scale='none', Dr. GRPO (2503.20783) §3.1: R - mean."""
@@ -605,17 +524,13 @@ def group_advantages(rewards: torch.Tensor, scale: str = "std", eps: float = 1e-
         adv = adv / (rewards.std(1, keepdim=True) + eps)
     return adv
 
-
 def soft_weights(stds: torch.Tensor, max_std=None, eps: float = 1e-6) -> torch.Tensor:
-    """Dr. GRPO+ soft reweighting: w_g = std_g / (max_g' std_g' + eps), the max over the step's groups (pass
-    it when they are spread over ranks)."""
+    """Dr. GRPO+ soft reweighting: w_g = std_g / (max_g' std_g' + eps), the max over the step's groups."""
     return stds / ((stds.max() if max_std is None else max_std) + eps)
 
-
 def rollout(model, tok, stream, reward_fns, pool, a: Args, sampler=None, rank=0, world=1):
-    """This rank's groups for one step: sample, score, filter, advantages. Returns the kept groups (each with
-    "adv"), the step's metrics, and every group generated. A group: one prompt, its G = G_s student + G_t
-    teacher completions, rewards (G,), adv (G,)."""
+    """This rank's groups for one step, sampled, scored, filtered, with advantages; the step's metrics; and
+    every group generated. A group: a prompt, its G = G_s student + G_t teacher completions, rewards (G,)."""
     G = a.num_generations
     generated = []
     t_generate = t_reward = 0.0
@@ -626,20 +541,21 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, sampler=None, rank=0,
         prompts, comps, truncated, logps = generate(model, tok, texts, G, a, sampler=sampler)
         t1 = time.time()
         texts = tok.batch_decode(comps, skip_special_tokens=True)
-        examples = [ex for ex in batch for _ in range(G)]
-        rewards, per_fn = score(texts, examples, [len(c) for c in comps], reward_fns, a)
+        rewards, per_fn = score(texts, [ex for ex in batch for _ in range(G)], [len(c) for c in comps],
+                                reward_fns, a)
         for i, ex in enumerate(batch):
             rows = slice(i * G, (i + 1) * G)
-            # the mixed pool: G_t cached teacher completions, with their frozen rewards, join the group
+            # the mixed pool: G_t cached teacher completions, with their frozen rewards, join the group,
+            # tokenized as the policy would emit them: text + EOS, cut at T (then truncated)
             picks = random.sample(pool[ex["prompt"]], a.teacher_per_group) if pool else []
-            cached = [teacher_completion(tok, text, tok.eos_token_id, a.max_new_tokens) for text, _ in picks]
+            full = [tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id] for text, _ in picks]
+            cached = [torch.tensor(ids[:a.max_new_tokens]) for ids in full]
             generated.append(dict(
                 prompt=ex["prompt"], answer=ex["answer"], prompt_ids=prompts[i],
-                completions=comps[rows] + [ids for ids, _ in cached],
-                texts=texts[rows] + [text for text, _ in picks],
-                truncated=truncated[rows] + [cut for _, cut in cached],
-                is_teacher=[False] * G + [True] * len(picks),
-                sampler_logp=logps[rows] + [torch.full((len(ids),), math.nan) for ids, _ in cached],  # none
+                completions=comps[rows] + cached, texts=texts[rows] + [text for text, _ in picks],
+                truncated=truncated[rows] + [len(ids) > a.max_new_tokens for ids in full],
+                is_teacher=[False] * G + [True] * len(picks),  # teachers have no sampler log-probs:
+                sampler_logp=logps[rows] + [torch.full((len(ids),), math.nan) for ids in cached],
                 rewards=torch.cat([rewards[rows], torch.tensor([r for _, r in picks])]),
                 per_fn={k: v[rows] for k, v in per_fn.items()}))
         t_generate += t1 - t0
@@ -648,8 +564,7 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, sampler=None, rank=0,
         kept = [g for g in generated if not a.dynamic_sampling or g["rewards"].max() > g["rewards"].min()]
         if all_sum(torch.tensor([len(kept)], device=model.device)).item() >= a.prompts_per_step:
             break
-    before = sum(all_gather(len(kept))[:rank])  # B in all, lower ranks first
-    kept = kept[:max(0, a.prompts_per_step - before)]
+    kept = kept[:max(0, a.prompts_per_step - sum(all_gather(len(kept))[:rank]))]  # B, lower ranks first
     everyone = all_gather([g["rewards"].std().item() for g in kept])  # the filters see every rank's groups
     stds = torch.tensor(sum(everyone, []))
     if a.top_k_groups:  # the hard variance filter (RAGEN, 2504.20073 §4): the k groups of largest std
@@ -669,13 +584,11 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, sampler=None, rank=0,
                       "adv/soft_weight_max": w.max().item()})
     return kept, stats, generated
 
-
 def group_metrics(groups: list[dict]) -> dict:
-    """Reward, accuracy and length over every rank's completions, kept or not (per source in the mixed pool).
-    accuracy grades the student rows with `correct` against the answer field, whatever reward trains."""
+    """Rewards, lengths and accuracy (by `correct`, whatever trains) of every rank's completions."""
     rows = []  # a completion: reward, length, truncated, teacher, correct, in a group of equal rewards
     for g in groups:
-        equal = float(g["rewards"].max() == g["rewards"].min())
+        equal = g["rewards"].max() == g["rewards"].min()
         for r, ids, cut, teacher, text in zip(g["rewards"], g["completions"], g["truncated"], g["is_teacher"],
                                               g["texts"]):
             rows.append((float(r), len(ids), cut, teacher, R.is_correct(text, g["answer"]), equal))
@@ -684,27 +597,20 @@ def group_metrics(groups: list[dict]) -> dict:
     student = teacher == 0
     out = {"reward/mean": reward.mean().item(), "reward/std": reward.std().item(),
            "groups/equal_frac": equal.mean().item(), "accuracy": correct[student].mean().item(),
-           "completion/tokens": length[student].sum().item(),
+           "completion/tokens": length[student].sum().item(), "completion/max_length": length.max().item(),
            "completion/mean_length": length[student].mean().item(),
-           "completion/max_length": length[student].max().item(),
            "completion/truncated_frac": truncated[student].mean().item()}
-    if teacher.any():
-        for source, part in (("student", student), ("teacher", ~student)):
-            out[f"reward/mean_{source}"] = reward[part].mean().item()
-            out[f"completion/mean_length_{source}"] = length[part].mean().item()
     for name in groups[0]["per_fn"]:
         values = sum(all_gather([v for g in groups for v in g["per_fn"][name].tolist()]), [])
         out[f"reward/{name}"] = sum(values) / len(values)
     return out
 
-
 def collate(groups: list[dict], pad_id: int, device) -> dict:
-    """Groups -> padded tensors, a row a completion: prompt left-padded, completion right-padded. N may be 0
-    (a rank that kept no group still joins the step's reductions)."""
+    """Groups -> padded tensors, a row a completion (N = 0 on a rank that kept no group)."""
     rows = [(g, i) for g in groups for i in range(len(g["completions"]))]
     P = max((len(g["prompt_ids"]) for g, _ in rows), default=0)
     C = max((len(g["completions"][i]) for g, i in rows), default=0)
-    ids = torch.full((len(rows), P + C), pad_id, dtype=torch.long)  # (N, P+C)
+    ids = torch.full((len(rows), P + C), pad_id, dtype=torch.long)  # (N, P+C), prompts left-padded
     attn = torch.zeros(len(rows), P + C, dtype=torch.long)
     mask = torch.zeros(len(rows), C)  # (N, C)
     sampler_logp = torch.full((len(rows), C), math.nan)  # (N, C); NaN where unknown (teacher rows)
@@ -723,20 +629,16 @@ def collate(groups: list[dict], pad_id: int, device) -> dict:
                                             dtype=torch.bool))
     return {k: v.to(device) for k, v in batch.items()}
 
-
-# ----------------------------------------------------------------------------- log-probs
+# ----------------------------------------------------------------------------- log-probs and loss
 def token_logps(model, input_ids, attention_mask, n_completion: int, temperature: float = 1.0):
-    """Log-probs and entropy (N, C) of the last C tokens, from one forward over prompt + completion.
-    Position ids count real tokens, as generate() did with left padding. The vocabulary is wide
-    (V = 151,936 for Qwen2.5), so the output layer runs on chunks of 2^24 / V tokens (64 MB of fp32
-    logits), each recomputed in backward rather than kept: no (N, C, V) logits are ever held."""
+    """Log-probs and entropy (N, C) of the last C tokens, from one forward over prompt + completion. The
+    output layer runs on chunks of 2^24 / V tokens, recomputed in backward: no (N, C, V) logits are held."""
     pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
                                  use_cache=False).last_hidden_state[:, -n_completion - 1:-1]  # (N, C, H)
     head = model.get_output_embeddings()
     hidden = hidden.reshape(-1, hidden.shape[-1])  # (N*C, H)
     targets = input_ids[:, -n_completion:].reshape(-1)  # (N*C,)
-
     def chunk(h, tgt):  # (n, H), (n,) -> logp, entropy (n,): hidden state t predicts token t+1
         logits = head(h).float() / temperature  # (n, V)
         lse = logits.logsumexp(-1)
@@ -748,8 +650,6 @@ def token_logps(model, input_ids, attention_mask, n_completion: int, temperature
     logp, entropy = zip(*pieces)
     return torch.cat(logp).view(len(input_ids), -1), torch.cat(entropy).view(len(input_ids), -1)
 
-
-# ----------------------------------------------------------------------------- loss
 def policy_loss(logp, old_logp, adv, mask, a: Args):
     """Per-token policy loss (N, C), each choice its own flag; adv (N, 1). Also where the ratio left
     [1 - eps_low, 1 + eps_high] on the side that matters (below with A < 0, above with A > 0).
@@ -776,7 +676,6 @@ def policy_loss(logp, old_logp, adv, mask, a: Args):
         loss = torch.where(adv < 0, torch.minimum(loss, -a.dual_clip * adv), loss)
     return loss, (ratio < 1 - a.eps_low) & (adv < 0), (ratio > 1 + a.eps_high) & (adv > 0)
 
-
 def kl_penalty(logp, ref_logp, kind: str = "k3", old_logp=None):
     """Per-token KL term (Schulman's estimators), with d = log ref - log pi; its gradient under samples of pi:
       k3        e^d - d - 1: an unbiased VALUE of KL(pi || ref), GRPO (2402.03300) eq. 4; but its gradient
@@ -795,7 +694,6 @@ def kl_penalty(logp, ref_logp, kind: str = "k3", old_logp=None):
     ratio = torch.exp(logp.detach() - (logp.detach() if old_logp is None else old_logp))
     return ratio * (k3.detach() - d.detach() * (logp - logp.detach()))
 
-
 def aggregate_loss(loss, mask, mode: str, max_len: int, n_seqs=None, n_tokens=None):
     """Token losses (N, C) -> scalar, with verl's names. n_seqs / n_tokens are the normalisers of the
     WHOLE step (every micro-batch, every rank); by default this batch's. Sequences with no loss
@@ -813,16 +711,13 @@ def aggregate_loss(loss, mask, mode: str, max_len: int, n_seqs=None, n_tokens=No
         per_seq = per_seq / mask.sum(-1).clamp(min=1)
     return per_seq.sum() / (max(n_seqs, 1) * (max_len if mode == "seq-mean-token-sum-norm" else 1))
 
-
-# ----------------------------------------------------------------------------- step
+# ----------------------------------------------------------------------------- step and evaluate
 def edit_source_grads(g_s: list, g_t: list) -> list:
     """FORKER: the per-source gradients, summed over micro-batches and ranks, before clipping and the
     step. g_s + g_t is the full-batch gradient; inspect, project or drop either part here."""
     return [s + t for s, t in zip(g_s, g_t)]
 
-
 PER_TOKEN = ("loss", "kl", "policy/entropy", "loss/clipfrac_low", "loss/clipfrac_high")  # metrics a token
-
 
 def train_step(model, ref_model, opt, batch: dict, a: Args) -> dict:
     """num_iterations optimizer steps on one rollout batch; returns the step's metrics (over all ranks)."""
@@ -838,7 +733,6 @@ def train_step(model, ref_model, opt, batch: dict, a: Args) -> dict:
     skip = batch["zero_variance"] & (a.skip_zero_variance and a.beta == 0)
     rows = (has_loss & ~skip).nonzero()[:, 0].tolist()
     chunks = [rows[i:i + a.micro_batch_size] for i in range(0, len(rows), a.micro_batch_size)]
-
     def forward(idx, net):  # -> logp, entropy (n, C)
         with autocast(a, dev):
             return token_logps(net, batch["input_ids"][idx], batch["attention_mask"][idx], mask.shape[1],
@@ -867,7 +761,7 @@ def train_step(model, ref_model, opt, batch: dict, a: Args) -> dict:
             sampler = batch["sampler_logp"][idx]
             known = (m > 0) & sampler.isfinite()  # teacher rows have none
             gap = torch.where(known, (old - sampler).abs(), 0)
-            if a.tis:  # truncated importance sampling (Yao et al. 2025; TRL's vllm_importance_sampling_correction)
+            if a.tis:  # truncated importance sampling (Yao et al. 2025; TRL's vllm_importance_sampling_...)
                 loss = loss * torch.where(known, torch.exp(old - sampler).clamp(max=a.tis), 1)
             # KL only where the mask is on: past EOS, exp(ref - logp) can overflow and its gradient be NaN
             ref = torch.where(m > 0, ref_logp[j], logp.detach()) if a.beta > 0 else logp.detach()
@@ -882,16 +776,13 @@ def train_step(model, ref_model, opt, batch: dict, a: Args) -> dict:
                         p.grad.zero_()
             else:
                 aggregate_loss(loss, m, a.loss_agg, a.max_new_tokens, n_seqs, n_tokens).backward()
-            with torch.no_grad():
-                sums["loss"] += (loss * m).sum()
-                sums["kl"] += (kl_penalty(logp, ref) * m).sum()  # k3's value, KL(pi || ref), whatever --kl
-                sums["policy/entropy"] += (entropy * m).sum()
-                sums["loss/clipfrac_low"] += (clip_low * m).sum()
-                sums["loss/clipfrac_high"] += (clip_high * m).sum()
+            with torch.no_grad():  # kl: k3's value, KL(pi || ref), whatever --kl trains
+                per_token = {"loss": loss, "kl": kl_penalty(logp, ref), "policy/entropy": entropy, "gap": gap,
+                             "loss/clipfrac_low": clip_low, "loss/clipfrac_high": clip_high, "gapped": known}
+                for key, x in per_token.items():
+                    sums[key] += (x * m).sum()
                 sums["tokens"] += m.sum()
                 sums["rows"] += len(idx)
-                sums["gap"] += gap.sum()
-                sums["gapped"] += known.sum()
         # the step's gradient is the SUM of the ranks' (each rank's loss carries the global normaliser)
         for g in g_s + g_t if a.split_grads else [p.grad for p in params]:
             all_sum(g)
@@ -918,25 +809,20 @@ def train_step(model, ref_model, opt, batch: dict, a: Args) -> dict:
         out.update({k: total[k] / total["tokens"] for k in PER_TOKEN})
     return out
 
-
-# ----------------------------------------------------------------------------- evaluate
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021, 2107.03374 eq. 1)."""
     return 1 - math.comb(n - c, k) / math.comb(n, k)
 
-
 @torch.no_grad()
 def evaluate(model, tok, examples: list[dict], a: Args, rank: int = 0, world: int = 1, sampler=None) -> dict:
-    """Greedy accuracy (`correct` against the answer field) on held-out prompts, split over ranks. With
-    --eval-samples k, also k completions a prompt at the training temperature: mean@k (= pass@1) and pass@j,
-    j = 2, 4, ..., k. Those samples draw on a random stream of their own: the run's is untouched."""
+    """Greedy accuracy on held-out prompts, split over ranks; with --eval-samples k, also mean@k and pass@j
+    of k samples a prompt, drawn from a random stream of their own (the run's is untouched)."""
     mine, k = examples[rank::world], a.eval_samples
     rows = a.prompts_per_step // world * a.num_generations  # a rollout's rows: the compiled sampler's shape
-
     def n_correct(chunk, n, **kw):  # correct completions a prompt
         texts = [chat_prompt(tok, ex["prompt"], a.system_prompt) for ex in chunk]
-        comps = generate(model, tok, texts, n, a, sampler=sampler, **kw)[1]
-        texts = tok.batch_decode(comps, skip_special_tokens=True)
+        texts = tok.batch_decode(generate(model, tok, texts, n, a, sampler=sampler, **kw)[1],
+                                 skip_special_tokens=True)
         return [sum(R.is_correct(t, ex["answer"]) for t in texts[i * n:(i + 1) * n])
                 for i, ex in enumerate(chunk)]
     greedy, sampled = [], []
@@ -956,7 +842,6 @@ def evaluate(model, tok, examples: list[dict], a: Args, rank: int = 0, world: in
             out[f"eval/pass@{j}"] = sum(pass_at_k(k, c, j) for c in sampled) / len(sampled)
     return out
 
-
 # ============================================================================= run-keeping
 # Nothing below changes the algorithm: processes, checkpoints and resume, the output dir, logs, signals,
 # and main(), the loop.
@@ -972,13 +857,11 @@ def setup_distributed():
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return dist.get_rank(), dist.get_world_size(), device
 
-
 def all_sum(x: torch.Tensor) -> torch.Tensor:
     """Sum over ranks, in place (the identity in one process)."""
     if dist.is_initialized():
         dist.all_reduce(x)
     return x
-
 
 def all_gather(obj) -> list:
     """One entry per rank, in rank order ([obj] in one process)."""
@@ -988,7 +871,6 @@ def all_gather(obj) -> list:
     dist.all_gather_object(out, obj)
     return out
 
-
 def last_checkpoint(output_dir: str) -> str | None:
     """checkpoint/, else checkpoint.old/ (whole when a save was killed between its two renames), else None."""
     for path in (os.path.join(output_dir, "checkpoint"), os.path.join(output_dir, "checkpoint.old")):
@@ -996,11 +878,9 @@ def last_checkpoint(output_dir: str) -> str | None:
             return path
     return None
 
-
 def save(model, tok, a: Args, state: dict):
-    """checkpoint/: the weights (adapter or model), tokenizer, grpo_args.json (the flags and the step) and
-    trainer_state.pt (state: step, prompts drawn, every rank's random states, optimizer). Written to
-    checkpoint.tmp/, then swapped in by two renames: at every instant checkpoint/ or .old/ is whole."""
+    """checkpoint/: weights, tokenizer, grpo_args.json (flags, step), trainer_state.pt (state), written to
+    checkpoint.tmp/ and swapped in by two renames: at every instant checkpoint/ or .old/ is whole."""
     if not all(p.isfinite().all() for p in model.parameters() if p.requires_grad):
         fail(f"the weights are not finite at step {state['step']}: nothing saved over the last checkpoint")
     final = os.path.join(a.output_dir, "checkpoint")
@@ -1013,29 +893,15 @@ def save(model, tok, a: Args, state: dict):
             json.dump({**dataclasses.asdict(a), "step": state["step"]}, f, indent=1)
     except (OSError, RuntimeError) as e:  # a full disk, say (torch.save's is a RuntimeError)
         shutil.rmtree(final + ".tmp", ignore_errors=True)
-        fail(f"saving step {state['step']} failed ({e}); the last checkpoint: {last_checkpoint(a.output_dir)}")
+        fail(f"saving step {state['step']} failed ({e}); last checkpoint: {last_checkpoint(a.output_dir)}")
     if os.path.isdir(final):
         shutil.rmtree(final + ".old", ignore_errors=True)
         os.replace(final, final + ".old")
     os.replace(final + ".tmp", final)
     shutil.rmtree(final + ".old", ignore_errors=True)
 
-
-def lock(output_dir: str):
-    """One run per output dir: an exclusive lock on output_dir/.lock, which the OS releases however the
-    process ends."""
-    import fcntl
-    f = open(os.path.join(output_dir, ".lock"), "w")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        fail(f"--output-dir {output_dir!r} is in use by another run: wait for it, or stop it")
-    return f
-
-
 def open_log(a: Args, name: str, step: int):
-    """A JSONL log in the output dir, line-buffered; on --resume it keeps the saved run's rows up to the
-    checkpoint's step (not a partial last line, which a crash mid-write leaves)."""
+    """A JSONL log; on --resume it keeps the saved rows up to the checkpoint's step (no partial line)."""
     path = os.path.join(a.output_dir, name)
     rows = []
     if a.resume and os.path.exists(path):
@@ -1046,7 +912,6 @@ def open_log(a: Args, name: str, step: int):
     os.replace(path + ".tmp", path)
     return open(path, "a", buffering=1)
 
-
 def sample_rows(groups: list[dict], step: int) -> list[dict]:
     """samples.jsonl: a row a completion (teacher rows: no per-function rewards; dropped groups: no adv)."""
     return [{"step": step, "prompt": g["prompt"], "completion": text, "teacher": teacher,
@@ -1055,22 +920,18 @@ def sample_rows(groups: list[dict], step: int) -> list[dict]:
              "length": len(g["completions"][i]), "truncated": bool(g["truncated"][i])}
             for g in groups for i, (text, teacher) in enumerate(zip(g["texts"], g["is_teacher"]))]
 
-
 def on_signal(run):
-    """Ctrl-C or SIGTERM: on rank 0 outside an update, stop at once (a KeyboardInterrupt, which a reward's
-    `except Exception` cannot swallow); else finish the step, save and stop. The other ranks follow rank 0
-    at the end of the step, or are stopped by torchrun once rank 0 has left."""
+    """Ctrl-C or SIGTERM: rank 0 outside an update stops at once (KeyboardInterrupt); else the step ends,
+    is saved and the run stops. Other ranks follow rank 0, or are stopped by torchrun once it has left."""
     def handler(sig, frame):
         run.stop = sig
         if run.rank == 0 and not run.busy:
-            raise KeyboardInterrupt
+            raise KeyboardInterrupt  # (not an Exception: a reward's `except Exception` cannot swallow it)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handler)
 
-
 def start(a: Args):
-    """Every check, then the data, model, sampler, optimizer and resumed state; then rank 0 takes the output
-    dir (not written before). Returns the run: its parts, and the last completed step, which a save writes."""
+    """Every check, then the data, model, sampler, optimizer, resumed state, and rank 0's output dir."""
     rank, world, device = setup_distributed()
     if a.prompts_per_step % world:
         fail(f"--prompts-per-step {a.prompts_per_step} must divide over {world} ranks (whole groups a rank)")
@@ -1107,18 +968,26 @@ def start(a: Args):
         random.setstate(state["rng"][rank]["python"])
         if state["rng"][rank]["cuda"] is not None:
             torch.cuda.set_rng_state(state["rng"][rank]["cuda"])
+    stream = prompt_stream(train, a.seed)
+    for _ in range(state["prompts_drawn"]):  # where the saved run left it
+        next(stream)
     from tqdm import tqdm
-    run = types.SimpleNamespace(
-        rank=rank, world=world, device=device, model=model, tok=tok, ref_model=ref_model, opt=opt,
-        sampler=sampler, reward_fns=reward_fns, pool=pool, evals=evals, start=state["step"], busy=False, stop=0,
-        stream=prompt_stream(train, a.seed, state["prompts_drawn"]), bad_steps=0,
-        done={"step": state["step"], "prompts_drawn": state["prompts_drawn"]},
-        bar=tqdm(range(state["step"] + 1, a.max_steps + 1), desc=a.algo, disable=rank != 0, dynamic_ncols=True))
-    if rank == 0:
+    bar = tqdm(range(state["step"] + 1, a.max_steps + 1), desc=a.algo, disable=rank > 0)
+    run = types.SimpleNamespace(rank=rank, world=world, device=device, model=model, tok=tok, opt=opt, bar=bar,
+                                ref_model=ref_model, sampler=sampler, reward_fns=reward_fns, pool=pool,
+                                evals=evals, stream=stream, start=state["step"], busy=False, stop=0)
+    run.bad_steps = 0  # non-finite steps in a row
+    run.done = {"step": state["step"], "prompts_drawn": state["prompts_drawn"]}  # the last completed step
+    if rank == 0:  # every check has passed: only now is the output dir written
         os.makedirs(a.output_dir, exist_ok=True)
-        run.lock = lock(a.output_dir)
-        for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old") if a.overwrite else ():
-            shutil.rmtree(os.path.join(a.output_dir, name), ignore_errors=True)
+        run.lock = open(os.path.join(a.output_dir, ".lock"), "w")  # one run per output dir, till it ends
+        try:
+            fcntl.flock(run.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fail(f"--output-dir {a.output_dir!r} is in use by another run: wait for it, or stop it")
+        for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old"):
+            if a.overwrite:
+                shutil.rmtree(os.path.join(a.output_dir, name), ignore_errors=True)
         run.log = open_log(a, "metrics.jsonl", run.start)
         run.samples = open_log(a, "samples.jsonl", run.start)  # empty without --log-samples
         if a.wandb_project:
@@ -1126,14 +995,10 @@ def start(a: Args):
             wandb.init(project=a.wandb_project, config=dataclasses.asdict(a))
     return run
 
-
-# the mean |sampler - trainer| log-prob gap that stops a run: bf16 rounding makes a few hundredths of a nat
-GAP_LIMIT = 0.25
-
+GAP_LIMIT = 0.25  # mean |sampler - trainer| log-prob gap that stops a run (bf16 rounding: a few hundredths)
 
 def end_step(run, a: Args, step: int, m: dict, generated: list[dict]) -> bool:
-    """After a step's update: the checks that stop a run, the new last completed step, the logs and a save.
-    Returns whether to stop (a signal reached a rank)."""
+    """After a step's update: the checks, the last completed step, the logs, a save. True: stop."""
     if m.get("sampler/logp_gap", 0) > GAP_LIMIT:
         fail(f"the sampler's log-probs are {m['sampler/logp_gap']:.3f} nat from the trainer's on average "
              f"(bf16 noise is a few hundredths): stale weights or a broken KV cache; --compile-generate off")
@@ -1153,16 +1018,15 @@ def end_step(run, a: Args, step: int, m: dict, generated: list[dict]) -> bool:
     run.log.write(json.dumps(m) + "\n")
     run.samples.writelines(json.dumps(r) + "\n" for r in sample_rows(generated[:a.log_samples], step))
     if step == run.start + 1:  # a broken reward or chat template shows here, not an hour later
-        run.bar.write(f"grpo: step {step}'s first group: {generated[0]['prompt']!r}", sys.stderr)
         for r in sample_rows(generated[:1], step):
-            run.bar.write(f"  reward {r['reward']:.3g} {r['rewards']}: {r['completion'][:60]!r}", sys.stderr)
+            run.bar.write(f"grpo: reward {r['reward']:.3g} {r['rewards']}: {r['completion'][:50]!r}",
+                          file=sys.stderr)
     if a.wandb_project:
         sys.modules["wandb"].log(m, step=step)
     run.bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{m['accuracy']:.2f}")
     if (a.save_every and step % a.save_every == 0) or step == a.max_steps or stopping:
         save(run.model, run.tok, a, {**run.done, "optimizer": run.opt.state_dict()})
     return stopping
-
 
 def main(argv=None):
     a = parse_args(argv)
@@ -1198,9 +1062,8 @@ def main(argv=None):
             save(run.model, run.tok, a, {**run.done, "optimizer": run.opt.state_dict()})
     finish(run, a)
 
-
 def finish(run, a: Args):
-    """The run's last line: where it is. A stopped run exits 128 + signal, what a scheduler reads as killed."""
+    """The last line says where the run is; a stopped run exits 128 + signal (what a scheduler reads)."""
     where = f"{a.output_dir}/checkpoint; metrics in {a.output_dir}/metrics.jsonl"
     if run.rank == 0 and not run.stop:
         print(f"grpo: step {run.done['step']} saved in {where}")
@@ -1208,7 +1071,7 @@ def finish(run, a: Args):
         print(f"grpo: stopped at step {run.done['step']}: --resume to continue ({where})")
     elif run.rank == 0:
         print("grpo: stopped before step 1 ended: nothing saved")
-    if run.rank == 0:  # (closed here for a caller that runs main() again in this process)
+    if run.rank == 0:  # (closed for a caller that runs main() again in this process)
         for f in (run.lock, run.log, run.samples):
             f.close()
     if run.stop:

@@ -569,16 +569,18 @@ def test_format_reward_accepts_reasoning_tags():
 
 
 def test_reward_functions_get_the_record_s_fields(tmp_path):
+    """As in TRL: the completion, the answer, and every other field of the record as keywords."""
     a = grpo.parse_args([])
     seen = []
     fns = [("all", lambda c, ans, **kw: seen.append(("all", ans, kw)) or 1.0, 1.0),
-           ("some", lambda c, ans, prompt: seen.append(("some", ans, prompt)) or 2.0, 1.0),
-           ("none", lambda c, ans: 3.0, 1.0)]
+           ("some", lambda c, ans, prompt, **kw: seen.append(("some", ans, prompt)) or 2.0, 1.0)]
     ex = {"prompt": "Write f.", "answer": "", "tests": ["assert f() == 1"]}
     total, _ = grpo.score(["def f(): return 1"], [ex], [5], fns, a)
-    assert total.item() == 6.0
+    assert total.item() == 3.0
     assert seen == [("all", "", {"prompt": "Write f.", "tests": ["assert f() == 1"]}), ("some", "", "Write f.")]
     assert grpo.load_examples(write(tmp_path / "d.jsonl", [json.dumps(ex)]), graded=False) == [ex]
+    with pytest.raises(SystemExit, match="reward 'none' raised TypeError: .*unexpected keyword argument 'prompt'"):
+        grpo.score(["x"], [ex], [1], [("none", lambda c, ans: 3.0, 1.0)], a)
 
 
 def test_custom_reward_alone_unless_rewards_given(tmp_path):
@@ -606,7 +608,7 @@ def test_a_reward_that_raises_or_returns_no_finite_number_stops_the_run_named(va
 
 def test_a_non_finite_weighted_sum_or_weight_stops_the_run():
     with pytest.raises(SystemExit, match="weighted sum of the rewards is not finite"):
-        grpo.score(["x"], [{"prompt": "p", "answer": "1"}], [1], [("big", lambda c, ans: 3e38, 1e3)],
+        grpo.score(["x"], [{"prompt": "p", "answer": "1"}], [1], [("big", lambda c, ans, **kw: 3e38, 1e3)],
                    grpo.parse_args([]))
     for w in ("nan", "inf", "x"):
         with pytest.raises(SystemExit, match=f"weight '{w}' of 'correct' is not a finite number"):
@@ -748,14 +750,6 @@ def test_gsm8k_format_jsonl(tmp_path):
     assert grpo.load_examples(path, graded=True) == [{"question": "2+2?", "prompt": "2+2?", "answer": "4"}]
 
 
-def test_gsm8k_offline_is_one_line(monkeypatch):
-    fake = type(sys)("datasets")
-    fake.load_dataset = lambda *a, **kw: (_ for _ in ()).throw(ConnectionError("Couldn't reach the hub"))
-    monkeypatch.setitem(sys.modules, "datasets", fake)
-    with pytest.raises(SystemExit, match="--dataset gsm8k: ConnectionError: Couldn't reach the hub; pass GSM8K"):
-        grpo.load_data(grpo.parse_args(["--dataset", "gsm8k"]))
-
-
 def test_eval_dataset_and_max_samples(tmp_path):
     evals = write(tmp_path / "e.jsonl", ['{"prompt": "held out?", "answer": "1"}'])
     train, ev = grpo.load_data(grpo.parse_args(["--eval-dataset", evals]))
@@ -773,9 +767,8 @@ def pool_lines(prompts, n=2, reward="1.0"):
     ("missing", "pool.jsonl:1: each line needs a prompt, a completion and a finite reward"),
     ("nan", "pool.jsonl:1: each line needs .* finite reward"),
     ("bad", "pool.jsonl:1: each line needs .* finite reward"),
-    ("absent", "1 training prompts have fewer than --teacher-per-group 3 completions in .*pool.jsonl "
-               r"\(e.g. 'p3' has 0\).*--dataset"),
-    ("short", "3 training prompts have fewer than --teacher-per-group 3 .* 'p1' has 2.* lower --teacher-per-group"),
+    ("absent", "1 training prompts have fewer than --teacher-per-group 3 completions in the pool, e.g. 'p3'"),
+    ("short", "3 training prompts have fewer than --teacher-per-group 3 .* e.g. 'p1'.* lower --teacher-per-group"),
     ("prompt list", "pool.jsonl:1: each line needs a prompt"),
     ("completion null", "pool.jsonl:1: each line needs a prompt, a completion"),
 ])
@@ -791,14 +784,6 @@ def test_bad_pool_is_a_clear_error_before_training(tmp_path, case, says):
     with pytest.raises(SystemExit, match=says):
         grpo.main(["--dataset", data, "--teacher-pool", pool, "--teacher-per-group", "3", "--model", "no-such/model",
                    "--output-dir", str(tmp_path / "out")])
-
-
-def test_teacher_completion_is_cut_at_t_and_flagged():
-    tok = tiny.make_tokenizer()
-    ids, truncated = grpo.teacher_completion(tok, "12345", tok.eos_token_id, 6)
-    assert ids.tolist() == tok("12345", add_special_tokens=False).input_ids + [tok.eos_token_id] and not truncated
-    ids, truncated = grpo.teacher_completion(tok, "1234567", tok.eos_token_id, 6)
-    assert ids.tolist() == tok("123456", add_special_tokens=False).input_ids and truncated
 
 
 def test_a_tokenizer_learnt_from_a_corpus_merges_words_and_splits_numbers_into_digits():
@@ -1026,7 +1011,7 @@ def stub_reward(schedule):
     """A reward whose value depends on how many times it was called: round r, group g, row j."""
     calls = []
 
-    def fn(text, answer):
+    def fn(text, answer, **kw):
         calls.append(1)
         return schedule(len(calls) - 1)
     return fn
@@ -1120,6 +1105,12 @@ def test_teacher_rewards_come_from_the_pool_and_share_the_group_advantage(loaded
         assert g["adv"].tolist() == pytest.approx([x - mean for x in r])
         text = dict((t, c) for t, c in zip(g["texts"], g["completions"]))["I give up"]
         assert text.tolist() == tok("I give up", add_special_tokens=False).input_ids + [tok.eos_token_id]
+        assert not g["truncated"][g["texts"].index("I give up")]
+    long = "<think>" + "9" * 40 + "</think>"  # a teacher completion cut at T = 12 tokens, then truncated
+    pool = {ex["prompt"]: [(long, 1.0)] for ex in data}
+    groups, _ = rollout(replace(a, teacher_per_group=1), model, tok, stub_reward(lambda i: float(i % 2)), pool)
+    assert groups[0]["completions"][-1].tolist() == tok(long, add_special_tokens=False).input_ids[:12]
+    assert groups[0]["truncated"][-1] is True
 
 
 def test_a_step_that_trains_nothing_logs_no_entropy(loaded):
@@ -1239,7 +1230,7 @@ def test_a_failed_save_removes_its_partial_copy_and_names_the_last_checkpoint(lo
     def full(*args, **kw):  # what torch.save raises on a full disk
         raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
     monkeypatch.setattr(grpo.torch, "save", full)
-    with pytest.raises(SystemExit, match=f"saving step 2 failed .*unexpected pos.*; the last checkpoint: "
+    with pytest.raises(SystemExit, match=f"saving step 2 failed .*unexpected pos.*; last checkpoint: "
                                          f"{tmp_path}/checkpoint$"):
         grpo.save(model, tok, a, {"step": 2, "prompts_drawn": 0, "rng": [], "optimizer": {}})
     assert not (tmp_path / "checkpoint.tmp").exists()
@@ -1425,8 +1416,7 @@ def test_mixed_pool_run_with_split_grads(tiny_dir, tmp_path, extra):
     for m in metrics(out):
         ns, nt, cos = m["grad/norm_student"], m["grad/norm_teacher"], m["grad/cos_student_teacher"]
         assert m["grad/norm"] ** 2 == pytest.approx(ns ** 2 + nt ** 2 + 2 * ns * nt * cos, rel=1e-3)
-        assert 0 <= m["reward/mean_teacher"] <= 1 and "reward/mean_student" in m
-        assert m["completion/mean_length_teacher"] > 0
+        assert ns > 0 and nt > 0 and -1 <= cos <= 1
 
 
 def test_samples_log_first_group_and_sampled_eval(tiny_dir, tmp_path, capsys):
@@ -1448,10 +1438,9 @@ def test_samples_log_first_group_and_sampled_eval(tiny_dir, tmp_path, capsys):
         group = [r for r in rows if r["step"] == step]
         mean = sum(r["reward"] for r in group) / 4
         assert [r["adv"] for r in group] == pytest.approx([r["reward"] - mean for r in group], abs=1e-6)
-    head = stderr[stderr.index("grpo: step 1's first group: "):].splitlines()[0]
-    first = [line for line in stderr.splitlines() if line.startswith("  reward ")]
-    assert head.endswith(repr(rows[0]["prompt"])) and len(first) == 4  # G = 4, printed once
-    assert first[0].startswith(f"  reward {rows[0]['reward']:.3g} {rows[0]['rewards']}: ")
+    first = [line for line in stderr.splitlines() if line.startswith("grpo: reward ")]
+    assert len(first) == 4  # the first group (G = 4), once
+    assert first[0].startswith(f"grpo: reward {rows[0]['reward']:.3g} {rows[0]['rewards']}: ")
     with_eval = metrics(out, with_step_0=True)
     assert [r["step"] for r in with_eval if "eval/accuracy" in r] == [0, 2]  # before training, and the last step
     for r in (with_eval[0], with_eval[-1]):
@@ -1525,11 +1514,10 @@ def test_a_run_of_non_finite_steps_stops_and_keeps_the_last_finite_weights(tiny_
 
 
 def test_a_diverging_learning_rate_ends_in_one_line(tiny_dir, tmp_path):
-    p = cli(["--model", tiny_dir, "--output-dir", str(tmp_path / "out"), "--max-steps", "5"] + TINY
-            + ["--learning-rate", "1e30"] + reward_file(tmp_path), check=False)
-    assert p.returncode == 1 and "Traceback" not in p.stderr
-    assert p.stderr.strip().splitlines()[-1] == ("grpo: error: the model's logits are not finite: training "
-                                                 "diverged; lower --learning-rate")
+    with pytest.raises(SystemExit, match="^grpo: error: the model's logits are not finite: training diverged; "
+                                         "lower --learning-rate$"):
+        main(["--model", tiny_dir, "--output-dir", str(tmp_path / "out"), "--max-steps", "5"] + TINY
+             + ["--learning-rate", "1e30", "--eval-every", "0"] + reward_file(tmp_path))
 
 
 @pytest.mark.parametrize("case, says", [
@@ -1543,7 +1531,7 @@ def test_a_diverging_learning_rate_ends_in_one_line(tiny_dir, tmp_path):
 def test_every_input_is_checked_before_anything_is_written(tiny_dir, tmp_path, case, says, monkeypatch):
     out = tmp_path / "out"
     argv = ["--model", tiny_dir, "--output-dir", str(out)] + TINY
-    (tmp_path / "rw.py").write_text("import sys\ndef r(c, a):\n    sys.exit(3)\n")
+    (tmp_path / "rw.py").write_text("import sys\ndef r(c, a, **kw):\n    sys.exit(3)\n")
     extra = {"reward calls sys.exit": ["--reward-fn", f"{tmp_path}/rw.py:r"],
              "reward file missing": ["--reward-fn", f"{tmp_path}/nope.py:r"],
              "no such function": ["--reward-fn", f"{tmp_path}/rw.py:nope"],
@@ -1588,7 +1576,7 @@ def test_resume_refuses_what_it_cannot_continue_in_one_line(tiny_dir, tmp_path, 
         with pytest.raises(SystemExit, match=f"--resume: {flag} is .* in the saved run"):
             grpo.parse_args(["--output-dir", out, "--resume", flag, value])
     assert grpo.parse_args(["--output-dir", out, "--resume", "--max-steps", "9"]).num_generations == 4
-    with pytest.raises(SystemExit, match="no checkpoint to continue in .*nowhere' .no such dir"):
+    with pytest.raises(SystemExit, match="--resume: no directory .*nowhere'$"):
         grpo.parse_args(["--output-dir", str(tmp_path / "nowhere"), "--resume"])
     capsys.readouterr()
     for steps in ("2", "1"):  # done, or asked for fewer steps than it has
@@ -1600,12 +1588,13 @@ def test_resume_refuses_what_it_cannot_continue_in_one_line(tiny_dir, tmp_path, 
 
 def test_no_silent_overwrite(tiny_dir, tmp_path):
     out = tmp_path / "out"
-    main(["--model", tiny_dir, "--max-steps", "1", "--output-dir", str(out)] + TINY)
+    argv = ["--model", tiny_dir, "--max-steps", "1", "--output-dir", str(out)] + TINY + ["--eval-every", "0"]
+    main(argv)
     before = (out / "metrics.jsonl").read_text()
     with pytest.raises(SystemExit, match="holds a run: --resume continues it, --overwrite starts over"):
-        main(["--model", tiny_dir, "--max-steps", "1", "--output-dir", str(out)] + TINY)
+        main(argv)
     assert (out / "metrics.jsonl").read_text() == before
-    main(["--model", tiny_dir, "--max-steps", "1", "--output-dir", str(out), "--overwrite", "--seed", "5"] + TINY)
+    main(argv + ["--overwrite", "--seed", "5"])
     assert (out / "metrics.jsonl").read_text() != before and len(metrics(str(out))) == 1
 
 
@@ -1613,8 +1602,8 @@ def test_a_run_that_stopped_before_its_first_save_does_not_block_its_folder(tiny
     out = tmp_path / "out"
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 0, "eval/accuracy": 0.0}\n')
-    with pytest.raises(SystemExit, match="no checkpoint to continue .* .a run that stopped before its first "
-                                         "save leaves none.; start it without --resume"):
+    with pytest.raises(SystemExit, match="--resume: no checkpoint in .* .a run that stopped before its first "
+                                         "save leaves none."):
         grpo.parse_args(["--output-dir", str(out), "--resume"])
     (out / "samples.jsonl").write_text('{"step": 1}\n')
     main(["--model", tiny_dir, "--max-steps", "1", "--output-dir", str(out)] + TINY)
@@ -1648,11 +1637,10 @@ def start_slow_run(tiny_dir, tmp_path, out, extra=(), cmd=(sys.executable,)):
     return p
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])  # Ctrl-C, and what a scheduler or `kill` sends
-def test_a_signal_saves_the_last_step_at_once_and_one_run_holds_the_dir(tiny_dir, tmp_path, sig):
-    """A signal that lands in a rollout (here, in the slow judge) does not wait for the step: the last
-    completed step is saved at once and the run exits 128 + signal, the status a scheduler reads as
-    "killed". Meanwhile a second run in the same output dir is refused and touches nothing."""
+def test_a_signal_saves_the_last_step_at_once_and_one_run_holds_the_dir(tiny_dir, tmp_path):
+    """SIGTERM (what a scheduler or `kill` sends; Ctrl-C's SIGINT in the next test) that lands in a rollout, here
+    in the slow judge, does not wait for the step: the last completed step is saved at once and the run exits
+    128 + signal, what a scheduler reads as "killed". Meanwhile a second run in the output dir is refused."""
     out = str(tmp_path / "out")
     p = start_slow_run(tiny_dir, tmp_path, out, ["--save-every", "1"])
     with pytest.raises(SystemExit, match=f"--output-dir '{out}' is in use by another run"):
@@ -1662,8 +1650,8 @@ def test_a_signal_saves_the_last_step_at_once_and_one_run_holds_the_dir(tiny_dir
         time.sleep(0.05)
     time.sleep(0.5)
     t0 = time.time()
-    p.send_signal(sig)
-    assert p.wait(timeout=60) == 128 + sig and time.time() - t0 < 3
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(timeout=60) == 128 + signal.SIGTERM and time.time() - t0 < 3
     step = json.load(open(out + "/checkpoint/grpo_args.json"))["step"]
     assert step == metrics(out)[-1]["step"] == rows + 1
     assert p.stdout.read().strip().splitlines()[-1] == f"grpo: stopped at step {step}: --resume to continue " \
@@ -1711,38 +1699,39 @@ def test_two_processes_give_the_one_process_update(tiny_dir, tmp_path):
             assert two[config]["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-6), (config, k)
 
 
-def test_two_process_run_mixed_pool_dynamic_sampling_and_resume(tiny_dir, tmp_path):
-    """2 ranks, DAPO's refill in mixed-pool mode: one metrics file and checkpoint (rank 0); 3 steps straight
-    equal 2 steps + --resume to 3 (each rank's RNG and teacher draws restored)."""
-    def go(out, *extra):
-        args = ["--algo", "dapo", "--model", tiny_dir, "--output-dir", out, "--teacher-per-group", "2",
-                "--split-grads", "--max-gen-rounds", "2"] + TINY + mixed_files(tmp_path) + reward_file(tmp_path)
-        cli(args + list(extra), cmd=TORCHRUN)
+def test_two_processes_mixed_pool_refill_sigterm_and_resume(tiny_dir, tmp_path):
+    """2 ranks, DAPO's refill in mixed-pool mode: one metrics file and checkpoint (rank 0). SIGTERM to torchrun
+    (which forwards it to every rank and kills them 30 s later) during a rollout: rank 0 saves the last completed
+    step at once, and --resume from it to step 3 gives the straight 3-step run, bit for bit (each rank's random
+    states and teacher draws restored)."""
+    slow = tmp_path / "slow"  # while it exists the judge takes 0.5 s a call: a rollout lasts seconds
+    (tmp_path / "rw.py").write_text(f"import os, time\ndef r(c, a, **kw):\n    if os.path.exists({str(slow)!r}):\n"
+                                    "        time.sleep(0.5)\n    return sum(ch.isdigit() for ch in c) / 10\n")
+    args = [os.path.join(HERE, "grpo.py"), "--algo", "dapo", "--model", tiny_dir, "--teacher-per-group", "2",
+            "--split-grads", "--max-gen-rounds", "2", "--max-steps", "3", "--reward-fn", f"{tmp_path}/rw.py:r",
+            "--rewards", "correct"] + TINY + mixed_files(tmp_path)
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
-    go(straight, "--max-steps", "3")
+    subprocess.run(TORCHRUN + args + ["--output-dir", straight], cwd=HERE, check=True, capture_output=True)
     rows = metrics(straight)
     assert [r["step"] for r in rows] == [1, 2, 3]  # one file, written by rank 0 alone
     assert all(r["groups/kept"] <= 2 and "grad/cos_student_teacher" in r for r in rows if r["groups/kept"])
-    go(split, "--max-steps", "2")
-    go(split, "--max-steps", "3", "--resume")
-    assert steady(metrics(split)) == steady(rows)
-    a, b = trained(straight), trained(split)
-    assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_sigterm_to_torchrun_saves_the_last_step_within_its_grace(tiny_dir, tmp_path):
-    """torchrun forwards SIGTERM to every rank and kills them 30 s later: rank 0, in a rollout, saves the last
-    completed step at once; the run then continues from it."""
-    out = str(tmp_path / "out")
-    p = start_slow_run(tiny_dir, tmp_path, out, cmd=TORCHRUN)
+    slow.touch()
+    p = subprocess.Popen(TORCHRUN + args + ["--output-dir", split], cwd=HERE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    while not (os.path.exists(split + "/metrics.jsonl") and metrics(split)):
+        assert p.poll() is None, p.stderr.read()
+        time.sleep(0.1)
     t0 = time.time()
     p.send_signal(signal.SIGTERM)
     p.wait(timeout=90)
-    assert time.time() - t0 < 25
-    step = json.load(open(out + "/checkpoint/grpo_args.json"))["step"]
-    assert step == metrics(out)[-1]["step"] >= 1
-    cli(["--output-dir", out, "--resume", "--max-steps", str(step + 1)], cmd=TORCHRUN)
-    assert metrics(out)[-1]["step"] == step + 1
+    assert time.time() - t0 < 25  # within torchrun's 30 s
+    step = json.load(open(split + "/checkpoint/grpo_args.json"))["step"]
+    assert 1 <= step < 3 and step == metrics(split)[-1]["step"]
+    slow.unlink()
+    cli(["--output-dir", split, "--resume"], cmd=TORCHRUN)
+    assert steady(metrics(split)) == steady(rows)
+    a, b = trained(straight), trained(split)
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 # ----------------------------------------------------------------------------- does it learn?
