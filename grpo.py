@@ -954,10 +954,10 @@ def start(a: Args):
         fail("--wandb-project needs `pip install wandb`")
     torch.manual_seed(a.seed)  # the same LoRA init on every rank
     model, tok, ref_model = load_model(a, device, ckpt if a.resume else None)
-    texts = [chat_prompt(tok, ex["prompt"], a.system_prompt) for ex in train + evals]
-    longest = max(len(ids) for ids in tok(texts, add_special_tokens=not tok.chat_template).input_ids)
     sampler = None
     if a.compile_generate == "on" or a.compile_generate == "auto" and device.type == "cuda":
+        texts = [chat_prompt(tok, ex["prompt"], a.system_prompt) for ex in train + evals]
+        longest = max(len(ids) for ids in tok(texts, add_special_tokens=not tok.chat_template).input_ids)
         sampler = compile_sampler(model, a, longest, world)
     opt = make_optimizer(a, model)
     torch.manual_seed(a.seed + 1000 * rank)  # sampling and teacher draws differ per rank, and repeat per run

@@ -1643,6 +1643,8 @@ def test_a_signal_saves_the_last_step_at_once_and_one_run_holds_the_dir(tiny_dir
     128 + signal, what a scheduler reads as "killed". Meanwhile a second run in the output dir is refused."""
     out = str(tmp_path / "out")
     p = start_slow_run(tiny_dir, tmp_path, out, ["--save-every", "1"])
+    while not os.path.exists(out + "/checkpoint"):
+        time.sleep(0.1)
     with pytest.raises(SystemExit, match=f"--output-dir '{out}' is in use by another run"):
         main(["--output-dir", out, "--resume", "--max-steps", "20000"])
     rows = len(metrics(out))
