@@ -37,6 +37,7 @@ import random
 import runpy
 import shutil
 import signal
+import statistics
 import sys
 import textwrap
 import time
@@ -55,7 +56,6 @@ def dash(name: str) -> str:
     return "--" + name.replace("_", "-")  # a flag as typed: max_new_tokens -> --max-new-tokens
 
 def fail(msg: str):
-    """Bad input or impossible flags: one line, and before any training where it can be found then."""
     raise SystemExit(f"grpo: error: {msg}")
 
 # ----------------------------------------------------------------------------- flags and presets
@@ -179,26 +179,19 @@ def parse_args(argv=None) -> Args:
     return a
 
 def check_args(a: Args):
-    """Flags that would fail late or misbehave silently fail here, the first found, with what to change."""
-    for name, value in dataclasses.asdict(a).items():
-        if isinstance(value, float) and not math.isfinite(value):
-            fail(f"{dash(name)} must be a finite number, not {value}")
-    at_least = {1: "max_steps prompts_per_step num_generations max_new_tokens max_gen_rounds "
-                   "micro_batch_size num_iterations eval_prompts",
-                0: "save_every log_samples max_samples eval_every eval_samples top_k overlong_buffer "
-                   "top_k_groups eps_high dual_clip beta tis teacher_per_group lora_r warmup_steps "
-                   "weight_decay max_grad_norm"}
-    for lowest, names in at_least.items():
-        for name in names.split():
-            if getattr(a, name) < lowest:
-                fail(f"{dash(name)} must be at least {lowest}")
-    for name in ("temperature", "std_eps", "sapo_tau_pos", "sapo_tau_neg", "lora_alpha", "learning_rate"):
-        if getattr(a, name) <= 0:
+    """Flags that would misbehave silently, or fail late, fail here: the first found, with what to change."""
+    for name, value in dataclasses.asdict(a).items():  # every number flag is finite and >= 0
+        if type(value) in (int, float) and not (math.isfinite(value) and value >= 0):
+            fail(f"{dash(name)} must be a finite number >= 0, not {value}")
+    for name in ("max_steps prompts_per_step num_generations max_new_tokens max_gen_rounds micro_batch_size "
+                 "num_iterations eval_prompts temperature std_eps sapo_tau_pos sapo_tau_neg lora_alpha "
+                 "learning_rate top_p").split():
+        if getattr(a, name) == 0:
             fail(f"{dash(name)} must be > 0")
     checks = [
-        (not 0 < a.top_p <= 1, "--top-p must be in (0, 1]"),
-        (not 0 <= a.eps_low < 1, "--eps-low must be in [0, 1)"),
-        (not 0 <= a.lora_dropout < 1, "--lora-dropout must be in [0, 1)"),
+        (a.top_p > 1, "--top-p must be in (0, 1]"),
+        (a.eps_low >= 1, "--eps-low must be in [0, 1)"),
+        (a.lora_dropout >= 1, "--lora-dropout must be in [0, 1)"),
         (not a.output_dir, "--output-dir must name a directory"),
         (a.dual_clip and (a.dual_clip <= 1 or a.surrogate != "clip"),
          "--dual-clip c caps the clipped surrogate's loss at c |A|: it needs c > 1 and --surrogate clip"),
@@ -230,9 +223,8 @@ def describe(a: Args) -> str:
     norm = {"token-mean": "Σ_i |o_i|", "seq-mean-token-mean": "n_seq |o_i|", "seq-mean-token-sum": "n_seq",
             "seq-mean-token-sum-norm": f"n_seq·{a.max_new_tokens}"}[a.loss_agg]
     ratio = {"token": "π_θ/π_old per token", "sequence": "s_i = exp(mean_t log π_θ/π_old)"}[a.ratio]
-    lines = [f"J(θ) = E_q [ Σ_i Σ_t ({term}) / ({norm}) ],  r = {ratio}"]
-    lines.append({"std": "  A_i = (R_i - mean_g(R)) / (std_g(R) + eps)", "none": "  A_i = R_i - mean_g(R)"}[
-        a.scale])
+    adv = {"std": "(R_i - mean_g(R)) / (std_g(R) + eps)", "none": "R_i - mean_g(R)"}[a.scale]
+    lines = [f"J(θ) = E_q [ Σ_i Σ_t ({term}) / ({norm}) ],  r = {ratio}", f"  A_i = {adv}"]
     if a.soft_reweight:
         lines[-1] += "  ·  std_g / max_g' std_g'"
     lines.append("  R = " + " + ".join(filter(None, [a.rewards.replace(",", " + "), a.reward_fn])))
@@ -272,7 +264,6 @@ def arithmetic_task(n: int, seed: int, held_out: bool = False) -> list[dict]:
     return out
 
 def read_jsonl(path: str) -> list[tuple[int, dict]]:
-    """(line number, record) for each non-empty line of a JSONL file; an error names the file and the line."""
     try:
         with open(path, "rb") as f:
             lines = f.read().splitlines()
@@ -293,7 +284,6 @@ def read_jsonl(path: str) -> list[tuple[int, dict]]:
     return rows
 
 def load_examples(path: str, graded: bool) -> list[dict]:
-    """prompt/answer records, or GSM8K's question/answer ('... #### N'); other fields go to the rewards."""
     out = []
     for i, rec in read_jsonl(path):
         prompt = rec.get("question", rec.get("prompt"))
@@ -304,7 +294,6 @@ def load_examples(path: str, graded: bool) -> list[dict]:
     return out
 
 def load_data(a: Args) -> tuple[list[dict], list[dict]]:
-    """(train, eval): dicts with 'prompt', 'answer' (the reference) and the data file's other fields."""
     graded = any(part.split(":")[0].strip() in ("correct", "correct_pm1", "math_verify")
                  for part in a.rewards.split(","))
     evals = []
@@ -318,7 +307,6 @@ def load_data(a: Args) -> tuple[list[dict], list[dict]]:
     return train[:a.max_samples or None], evals[:a.eval_prompts]
 
 def load_teacher_pool(a: Args, train: list[dict]) -> dict[str, list[tuple[str, float]]]:
-    """prompt -> [(completion, frozen reward)]; every training prompt must have at least G_t of them."""
     pool = {}
     for i, r in read_jsonl(a.teacher_pool):
         ok = isinstance(r.get("prompt"), str) and isinstance(r.get("completion"), str) and r["completion"]
@@ -331,8 +319,7 @@ def load_teacher_pool(a: Args, train: list[dict]) -> dict[str, list[tuple[str, f
              f"completions in the pool, e.g. {short[0][:60]!r}: add them, or lower --teacher-per-group")
     return pool
 
-def prompt_stream(data: list[dict], seed: int):
-    """Endless and seeded: every rank draws the same order, and takes its own slice of each batch."""
+def prompt_stream(data: list[dict], seed: int):  # endless; every rank draws the same order
     rng = random.Random(seed)
     while True:
         order = list(range(len(data)))
@@ -388,7 +375,6 @@ def use_bf16(a: Args, device: torch.device) -> bool:
     return a.dtype == "bf16" or a.dtype == "auto" and auto
 
 def autocast(a: Args, device: torch.device):
-    """bf16 autocast around full fine-tuning's forwards (its weights stay fp32, see load_model)."""
     return torch.autocast(device.type, torch.bfloat16, enabled=a.lora_r == 0 and use_bf16(a, device))
 
 def make_optimizer(a: Args, model):
@@ -472,7 +458,6 @@ def compile_sampler(model, a: Args, prompt_len: int, world: int = 1) -> dict | N
 
 # ----------------------------------------------------------------------------- reward and advantage
 def build_rewards(a: Args) -> list[tuple[str, object, float]]:
-    """[(name, function, weight)] from --rewards name:weight,... and --reward-fn PATH.py:FUNCTION."""
     fns = []
     for part in filter(None, a.rewards.split(",")):
         name, _, weight = [s.strip() for s in part.partition(":")]
@@ -586,23 +571,18 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, sampler=None, rank=0,
 
 def group_metrics(groups: list[dict]) -> dict:
     """Rewards, lengths and accuracy (by `correct`, whatever trains) of every rank's completions."""
-    rows = []  # a completion: reward, length, truncated, teacher, correct, in a group of equal rewards
-    for g in groups:
-        equal = g["rewards"].max() == g["rewards"].min()
-        for r, ids, cut, teacher, text in zip(g["rewards"], g["completions"], g["truncated"], g["is_teacher"],
-                                              g["texts"]):
-            rows.append((float(r), len(ids), cut, teacher, R.is_correct(text, g["answer"]), equal))
-    rows = torch.tensor(sum(all_gather(rows), []), dtype=torch.float64)
-    reward, length, truncated, teacher, correct, equal = rows.T
-    student = teacher == 0
-    out = {"reward/mean": reward.mean().item(), "reward/std": reward.std().item(),
-           "groups/equal_frac": equal.mean().item(), "accuracy": correct[student].mean().item(),
-           "completion/tokens": length[student].sum().item(), "completion/max_length": length.max().item(),
-           "completion/mean_length": length[student].mean().item(),
-           "completion/truncated_frac": truncated[student].mean().item()}
-    for name in groups[0]["per_fn"]:
-        values = sum(all_gather([v for g in groups for v in g["per_fn"][name].tolist()]), [])
-        out[f"reward/{name}"] = sum(values) / len(values)
+    rows = sum(all_gather(sample_rows(groups, 0)), [])
+    students = [r for r in rows if not r["teacher"]]
+    reward = torch.tensor([r["reward"] for r in rows], dtype=torch.float64)
+    length = torch.tensor([r["length"] for r in students], dtype=torch.float64)
+    equal = sum(all_gather([bool(min(g["rewards"]) == max(g["rewards"])) for g in groups]), [])
+    out = {"reward/mean": reward.mean().item(), "reward/std": reward.std().item(), "groups/equal_frac":
+           statistics.mean(equal), "accuracy": statistics.mean(r["correct"] for r in students),
+           "completion/tokens": length.sum().item(), "completion/mean_length": length.mean().item(),
+           "completion/max_length": length.max().item(),
+           "completion/truncated_frac": statistics.mean(r["truncated"] for r in students)}
+    for name in students[0]["rewards"]:
+        out[f"reward/{name}"] = statistics.mean(r["rewards"][name] for r in students)
     return out
 
 def collate(groups: list[dict], pad_id: int, device) -> dict:
@@ -810,7 +790,6 @@ def train_step(model, ref_model, opt, batch: dict, a: Args) -> dict:
     return out
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples of which c are correct (Chen et al. 2021, 2107.03374 eq. 1)."""
     return 1 - math.comb(n - c, k) / math.comb(n, k)
 
 @torch.no_grad()
@@ -847,7 +826,6 @@ def evaluate(model, tok, examples: list[dict], a: Args, rank: int = 0, world: in
 # and main(), the loop.
 
 def setup_distributed():
-    """torchrun sets RANK, WORLD_SIZE and LOCAL_RANK; `python grpo.py` is world 1, with no process group."""
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device("cpu")
@@ -858,25 +836,20 @@ def setup_distributed():
     return dist.get_rank(), dist.get_world_size(), device
 
 def all_sum(x: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks, in place (the identity in one process)."""
     if dist.is_initialized():
         dist.all_reduce(x)
     return x
 
 def all_gather(obj) -> list:
-    """One entry per rank, in rank order ([obj] in one process)."""
     if not dist.is_initialized():
         return [obj]
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
 
-def last_checkpoint(output_dir: str) -> str | None:
-    """checkpoint/, else checkpoint.old/ (whole when a save was killed between its two renames), else None."""
-    for path in (os.path.join(output_dir, "checkpoint"), os.path.join(output_dir, "checkpoint.old")):
-        if os.path.isdir(path):
-            return path
-    return None
+def last_checkpoint(output_dir: str) -> str | None:  # .old: whole when a save was killed between its renames
+    paths = [os.path.join(output_dir, "checkpoint"), os.path.join(output_dir, "checkpoint.old")]
+    return next((path for path in paths if os.path.isdir(path)), None)
 
 def save(model, tok, a: Args, state: dict):
     """checkpoint/: weights, tokenizer, grpo_args.json (flags, step), trainer_state.pt (state), written to
@@ -901,7 +874,6 @@ def save(model, tok, a: Args, state: dict):
     shutil.rmtree(final + ".old", ignore_errors=True)
 
 def open_log(a: Args, name: str, step: int):
-    """A JSONL log; on --resume it keeps the saved rows up to the checkpoint's step (no partial line)."""
     path = os.path.join(a.output_dir, name)
     rows = []
     if a.resume and os.path.exists(path):
@@ -913,11 +885,11 @@ def open_log(a: Args, name: str, step: int):
     return open(path, "a", buffering=1)
 
 def sample_rows(groups: list[dict], step: int) -> list[dict]:
-    """samples.jsonl: a row a completion (teacher rows: no per-function rewards; dropped groups: no adv)."""
     return [{"step": step, "prompt": g["prompt"], "completion": text, "teacher": teacher,
              "rewards": None if teacher else {k: v[i].item() for k, v in g["per_fn"].items()},
              "reward": g["rewards"][i].item(), "adv": g["adv"][i].item() if "adv" in g else None,
-             "length": len(g["completions"][i]), "truncated": bool(g["truncated"][i])}
+             "length": len(g["completions"][i]), "truncated": bool(g["truncated"][i]),
+             "correct": R.is_correct(text, g["answer"])}
             for g in groups for i, (text, teacher) in enumerate(zip(g["texts"], g["is_teacher"]))]
 
 def on_signal(run):
@@ -931,7 +903,6 @@ def on_signal(run):
         signal.signal(sig, handler)
 
 def start(a: Args):
-    """Every check, then the data, model, sampler, optimizer, resumed state, and rank 0's output dir."""
     rank, world, device = setup_distributed()
     if a.prompts_per_step % world:
         fail(f"--prompts-per-step {a.prompts_per_step} must divide over {world} ranks (whole groups a rank)")
@@ -998,7 +969,6 @@ def start(a: Args):
 GAP_LIMIT = 0.25  # mean |sampler - trainer| log-prob gap that stops a run (bf16 rounding: a few hundredths)
 
 def end_step(run, a: Args, step: int, m: dict, generated: list[dict]) -> bool:
-    """After a step's update: the checks, the last completed step, the logs, a save. True: stop."""
     if m.get("sampler/logp_gap", 0) > GAP_LIMIT:
         fail(f"the sampler's log-probs are {m['sampler/logp_gap']:.3f} nat from the trainer's on average "
              f"(bf16 noise is a few hundredths): stale weights or a broken KV cache; --compile-generate off")
@@ -1063,7 +1033,6 @@ def main(argv=None):
     finish(run, a)
 
 def finish(run, a: Args):
-    """The last line says where the run is; a stopped run exits 128 + signal (what a scheduler reads)."""
     where = f"{a.output_dir}/checkpoint; metrics in {a.output_dir}/metrics.jsonl"
     if run.rank == 0 and not run.stop:
         print(f"grpo: step {run.done['step']} saved in {where}")
