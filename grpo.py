@@ -335,7 +335,7 @@ def load_model(a: Args, device: torch.device, resume: str | None = None):
     dtype = torch.bfloat16 if use_bf16(a, device) and a.lora_r > 0 else torch.float32
     try:
         tok = AutoTokenizer.from_pretrained(a.model)
-    except OSError as e:  # not a local directory, and not on the hub (or no network)
+    except (OSError, ValueError) as e:  # not a local directory, and not on the hub (or no network)
         fail(f"--model {a.model!r}: {str(e).splitlines()[0]}")
     tok.padding_side = "left"  # batched generation appends to the right end of every row
     tok.pad_token = tok.pad_token or tok.eos_token  # safe: completions are masked by position, not by id

@@ -810,7 +810,7 @@ def test_train_logps_match_the_sampler(loaded, loaded_bf16, dtype, atol):
     texts = [grpo.chat_prompt(tok, q, "") for q in ("1+1?", "a much longer question, 12 + 30?")]
     enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     torch.manual_seed(0)
-    out = model.generate(**enc, generation_config=GenerationConfig(
+    out = model.generate(input_ids=enc.input_ids, attention_mask=enc.attention_mask, generation_config=GenerationConfig(
         max_new_tokens=8, do_sample=True, top_k=0, pad_token_id=tok.pad_token_id, eos_token_id=model.generation_config.eos_token_id),
         output_logits=True, return_dict_in_generate=True)
     comp = out.sequences[:, enc.input_ids.shape[1]:]
@@ -1653,7 +1653,7 @@ def test_a_signal_saves_the_last_step_at_once_and_one_run_holds_the_dir(tiny_dir
     time.sleep(0.5)
     t0 = time.time()
     p.send_signal(signal.SIGTERM)
-    assert p.wait(timeout=60) == 128 + signal.SIGTERM and time.time() - t0 < 3
+    assert p.wait(timeout=60) == 128 + signal.SIGTERM and time.time() - t0 < 3, p.stderr.read()[-3000:]
     step = json.load(open(out + "/checkpoint/grpo_args.json"))["step"]
     assert step == metrics(out)[-1]["step"] == rows + 1
     assert p.stdout.read().strip().splitlines()[-1] == f"grpo: stopped at step {step}: --resume to continue " \
