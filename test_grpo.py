@@ -606,10 +606,7 @@ def test_a_reward_that_raises_or_returns_no_finite_number_stops_the_run_named(va
         grpo.score(["x"], [{"prompt": "p", "answer": "1"}], [1], fns, grpo.parse_args([]))
 
 
-def test_a_non_finite_weighted_sum_or_weight_stops_the_run():
-    with pytest.raises(SystemExit, match="weighted sum of the rewards is not finite"):
-        grpo.score(["x"], [{"prompt": "p", "answer": "1"}], [1], [("big", lambda c, ans, **kw: 3e38, 1e3)],
-                   grpo.parse_args([]))
+def test_a_non_finite_reward_weight_stops_the_run():
     for w in ("nan", "inf", "x"):
         with pytest.raises(SystemExit, match=f"weight '{w}' of 'correct' is not a finite number"):
             grpo.build_rewards(grpo.parse_args(["--rewards", f"correct:{w}"]))
@@ -1576,7 +1573,7 @@ def test_resume_refuses_what_it_cannot_continue_in_one_line(tiny_dir, tmp_path, 
         with pytest.raises(SystemExit, match=f"--resume: {flag} is .* in the saved run"):
             grpo.parse_args(["--output-dir", out, "--resume", flag, value])
     assert grpo.parse_args(["--output-dir", out, "--resume", "--max-steps", "9"]).num_generations == 4
-    with pytest.raises(SystemExit, match="--resume: no directory .*nowhere'$"):
+    with pytest.raises(SystemExit, match="--resume: no checkpoint in .*nowhere'$"):
         grpo.parse_args(["--output-dir", str(tmp_path / "nowhere"), "--resume"])
     capsys.readouterr()
     for steps in ("2", "1"):  # done, or asked for fewer steps than it has
@@ -1602,8 +1599,7 @@ def test_a_run_that_stopped_before_its_first_save_does_not_block_its_folder(tiny
     out = tmp_path / "out"
     out.mkdir()
     (out / "metrics.jsonl").write_text('{"step": 0, "eval/accuracy": 0.0}\n')
-    with pytest.raises(SystemExit, match="--resume: no checkpoint in .* .a run that stopped before its first "
-                                         "save leaves none."):
+    with pytest.raises(SystemExit, match="--resume: no checkpoint in .*out'$"):
         grpo.parse_args(["--output-dir", str(out), "--resume"])
     (out / "samples.jsonl").write_text('{"step": 1}\n')
     main(["--model", tiny_dir, "--max-steps", "1", "--output-dir", str(out)] + TINY)
