@@ -789,29 +789,29 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def evaluate(model, tok, examples: list[dict], a: Args, rank: int = 0, world: int = 1, sampler=None) -> dict:
     """Greedy accuracy on held-out prompts, split over ranks; with --eval-samples k, also mean@k and pass@j
     of k samples a prompt, drawn from a random stream of their own (the run's is untouched)."""
-    mine, k = examples[rank::world], a.eval_samples
     rows = a.prompts_per_step // world * a.num_generations  # a rollout's rows: the compiled sampler's shape
-    def n_correct(chunk, n, **kw):  # correct completions a prompt
-        texts = [chat_prompt(tok, ex["prompt"], a.system_prompt) for ex in chunk]
-        texts = tok.batch_decode(generate(model, tok, texts, n, a, sampler=sampler, **kw)[1],
-                                 skip_special_tokens=True)
-        return [sum(R.is_correct(t, ex["answer"]) for t in texts[i * n:(i + 1) * n])
-                for i, ex in enumerate(chunk)]
-    greedy, sampled = [], []
+    def n_correct(n: int, **kw) -> list[int]:  # correct completions of n a prompt, every rank's prompts
+        mine = examples[rank::world]
+        per_call = max(1, rows // n)
+        counts = []
+        for i in range(0, len(mine), per_call):
+            chunk = mine[i:i + per_call]
+            texts = [chat_prompt(tok, ex["prompt"], a.system_prompt) for ex in chunk]
+            comps = generate(model, tok, texts, n, a, sampler=sampler, **kw)[1]
+            texts = tok.batch_decode(comps, skip_special_tokens=True)
+            for j, ex in enumerate(chunk):
+                counts.append(sum(R.is_correct(t, ex["answer"]) for t in texts[j * n:(j + 1) * n]))
+        return sum(all_gather(counts), [])
+    k = a.eval_samples
     with torch.random.fork_rng([model.device] if model.device.type == "cuda" else []):
         torch.manual_seed(a.seed + 1000 * rank + 999)
-        for i in range(0, len(mine), rows):
-            greedy += n_correct(mine[i:i + rows], 1, greedy=True)
-        per_call = max(1, rows // max(k, 1))
-        for i in range(0, len(mine) if k else 0, per_call):
-            sampled += n_correct(mine[i:i + per_call], k)
-    greedy = sum(all_gather(greedy), [])
-    sampled = sum(all_gather(sampled), [])
-    out = {"eval/accuracy": sum(greedy) / len(greedy)}
-    if k:
-        out[f"eval/mean@{k}"] = sum(sampled) / (k * len(sampled))
-        for j in sorted({k} | {2 ** e for e in range(1, k.bit_length())} - {1}):
-            out[f"eval/pass@{j}"] = sum(pass_at_k(k, c, j) for c in sampled) / len(sampled)
+        greedy = n_correct(1, greedy=True)
+        out = {"eval/accuracy": sum(greedy) / len(greedy)}
+        if k:
+            sampled = n_correct(k)
+            out[f"eval/mean@{k}"] = sum(sampled) / (k * len(sampled))
+            for j in sorted({k} | {2 ** e for e in range(1, k.bit_length())} - {1}):
+                out[f"eval/pass@{j}"] = sum(pass_at_k(k, c, j) for c in sampled) / len(sampled)
     return out
 
 # ============================================================================= run-keeping
@@ -1018,6 +1018,8 @@ def main(argv=None):
             if end_step(run, a, step, m, generated):
                 break
             run.busy = False
+            if run.stop and run.rank == 0:  # the signal came as the step ended: stop now, as outside an update
+                raise KeyboardInterrupt
     except KeyboardInterrupt:  # a signal outside an update: the weights are the last completed step's
         if run.done["step"] > run.start:
             save(run.model, run.tok, a, {**run.done, "optimizer": run.opt.state_dict()})

@@ -1660,6 +1660,25 @@ def test_a_signal_saves_the_last_step_at_once_and_one_run_holds_the_dir(tiny_dir
     peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dir), out + "/checkpoint")
 
 
+def test_a_signal_while_a_step_is_saved_stops_after_that_step(tiny_dir, tmp_path, monkeypatch, capsys):
+    """A signal that lands while a step is logged and saved stops the run there, not one whole step later."""
+    out = str(tmp_path / "out")
+    save = grpo.save
+    sent = []
+    def save_and_signal(model, tok, a, state):
+        save(model, tok, a, state)
+        if not sent:  # once; the handler runs at once and, the step being busy, only sets run.stop
+            sent.append(signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+    monkeypatch.setattr(grpo, "save", save_and_signal)
+    with pytest.raises(SystemExit) as stop:
+        main(["--model", tiny_dir, "--max-steps", "4", "--output-dir", out, "--save-every", "1"] + TINY)
+    assert stop.value.code == 128 + signal.SIGTERM
+    assert [r["step"] for r in metrics(out)] == [1]
+    assert json.load(open(out + "/checkpoint/grpo_args.json"))["step"] == 1
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("grpo: stopped at step 1: --resume")
+
+
 def test_a_signal_before_the_first_step_ends_saves_nothing_and_says_so(tiny_dir, tmp_path):
     out = str(tmp_path / "out")
     body = "import time\ndef r(c, a, **kw):\n    time.sleep(0.5)\n    return len(c) % 3\n"
