@@ -1018,7 +1018,7 @@ def main(argv=None):
             if end_step(run, a, step, m, generated):
                 break
             run.busy = False
-            if run.stop and run.rank == 0:  # the signal came as the step ended: stop now, as outside an update
+            if run.stop and run.rank == 0:  # a signal as the step ended: stop now, as outside an update
                 raise KeyboardInterrupt
     except KeyboardInterrupt:  # a signal outside an update: the weights are the last completed step's
         if run.done["step"] > run.start:
