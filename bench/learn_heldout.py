@@ -44,8 +44,8 @@ import tiny  # noqa: E402
 
 OUT = os.path.join(ROOT, "bench", "out")
 MODEL, VOCAB = dict(layers=4, hidden=128, heads=4, kv_heads=2), 512
-WARM_TARGET, EVAL_PROMPTS, EVAL_EVERY = 0.25, 1024, 30
-B, G, T, LR, WARMUP, STEPS = 16, 16, 32, 5e-4, 10, 120
+WARM_TARGET, EVAL_PROMPTS, EVAL_EVERY = 0.25, 1024, 25
+B, G, T, LR, WARMUP, STEPS = 16, 16, 32, 5e-4, 10, 100
 RL = ["--prompts-per-step", str(B), "--num-generations", str(G), "--max-new-tokens", str(T), "--lora-r", "16",
       "--learning-rate", str(LR), "--warmup-steps", str(WARMUP), "--max-steps", str(STEPS), "--micro-batch-size",
       str(B * G), "--dtype", "fp32", "--eval-prompts", str(EVAL_PROMPTS), "--eval-every", str(EVAL_EVERY),
