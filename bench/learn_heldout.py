@@ -2,7 +2,7 @@
 from a supervised warm start, on a CPU. Protocol and results: bench/README.md.
 
     pip install -r requirements.txt -r bench/requirements.txt
-    python bench/learn_heldout.py              # warm start, then 5 contenders x 2 seeds (about 45 min on 2 cores)
+    python bench/learn_heldout.py              # warm start, then 5 contenders x 2 seeds (about 40 min on 2 cores)
     python bench/learn_heldout.py --seeds 0    # one seed each
 
 Writes bench/out/heldout.md (the tables) and bench/out/heldout.png (held-out accuracy against step and against
