@@ -208,7 +208,8 @@ def describe(a: Args) -> str:
     """--dry-run: the objective the resolved flags optimise, in one formula, then every flag."""
     clip = f"clip(r, 1-{a.eps_low:g}, 1+{a.eps_high:g})"
     sapo = f"4/τ·σ(τ(r-1))·A_i, τ = {a.sapo_tau_pos:g} if A_i > 0 else {a.sapo_tau_neg:g}"
-    term = {"clip": f"min(r·A_i, {clip}·A_i)", "cispo": f"sg({clip})·A_i·log π_θ", "sapo": sapo}[a.surrogate]
+    term = {"clip": f"min(r·A_i, {clip}·A_i)", "cispo": f"sg({clip})·A_i·log π_θ",
+            "sapo": sapo}[a.surrogate]
     if a.dual_clip:
         term = f"max({term}, {a.dual_clip:g}·A_i if A_i < 0)"
     if a.tis:
@@ -940,6 +941,7 @@ def start(a: Args):
                                 evals=evals, stream=stream, start=state["step"], busy=False, stop=0)
     run.bad_steps = 0  # non-finite steps in a row
     run.done = {"step": state["step"], "prompts_drawn": state["prompts_drawn"]}  # the last completed step
+    run.saved = state["step"]  # the step of the last checkpoint
     if rank == 0:  # every check has passed: only now is the output dir written
         os.makedirs(a.output_dir, exist_ok=True)
         run.lock = open(os.path.join(a.output_dir, ".lock"), "w")  # one run per output dir, till it ends
@@ -987,6 +989,7 @@ def end_step(run, a: Args, step: int, m: dict, generated: list[dict]) -> bool:
     run.bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{m['accuracy']:.2f}")
     if (a.save_every and step % a.save_every == 0) or step == a.max_steps or stopping:
         save(run.model, run.tok, a, {**run.done, "optimizer": run.opt.state_dict()})
+        run.saved = step
     return stopping
 
 def main(argv=None):
@@ -1021,7 +1024,7 @@ def main(argv=None):
             if run.stop and run.rank == 0:  # a signal as the step ended: stop now, as outside an update
                 raise KeyboardInterrupt
     except KeyboardInterrupt:  # a signal outside an update: the weights are the last completed step's
-        if run.done["step"] > run.start:
+        if run.done["step"] > run.saved:
             save(run.model, run.tok, a, {**run.done, "optimizer": run.opt.state_dict()})
     finish(run, a)
 

@@ -1661,19 +1661,20 @@ def test_a_signal_saves_the_last_step_at_once_and_one_run_holds_the_dir(tiny_dir
 
 
 def test_a_signal_while_a_step_is_saved_stops_after_that_step(tiny_dir, tmp_path, monkeypatch, capsys):
-    """A signal that lands while a step is logged and saved stops the run there, not one whole step later."""
+    """A signal that lands while a step is logged and saved stops the run there, not one whole step later,
+    and that step is not saved twice."""
     out = str(tmp_path / "out")
     save = grpo.save
-    sent = []
+    saved = []
     def save_and_signal(model, tok, a, state):
         save(model, tok, a, state)
-        if not sent:  # once; the handler runs at once and, the step being busy, only sets run.stop
-            sent.append(signal.SIGTERM)
+        saved.append(state["step"])
+        if len(saved) == 1:  # the handler runs at once and, the step being busy, only sets run.stop
             os.kill(os.getpid(), signal.SIGTERM)
     monkeypatch.setattr(grpo, "save", save_and_signal)
     with pytest.raises(SystemExit) as stop:
         main(["--model", tiny_dir, "--max-steps", "4", "--output-dir", out, "--save-every", "1"] + TINY)
-    assert stop.value.code == 128 + signal.SIGTERM
+    assert stop.value.code == 128 + signal.SIGTERM and saved == [1]
     assert [r["step"] for r in metrics(out)] == [1]
     assert json.load(open(out + "/checkpoint/grpo_args.json"))["step"] == 1
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("grpo: stopped at step 1: --resume")
