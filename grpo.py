@@ -625,20 +625,25 @@ def token_logps(model, input_ids, attention_mask, n_completion: int, temperature
     return torch.cat(logp).view(len(input_ids), -1), torch.cat(entropy).view(len(input_ids), -1)
 
 def policy_loss(logp, old_logp, adv, mask, a: Args):
-    """Per-token policy loss (N, C), each choice its own flag; adv (N, 1). Also where the ratio left
-    [1 - eps_low, 1 + eps_high] on the side that matters (below with A < 0, above with A > 0).
-    With old_logp = logp.detach() (num_iterations 1, r = 1) every choice has the gradient -A grad log pi.
+    """Per-token policy loss (N, C), each choice its own flag; adv (N, 1). Returns the loss and its
+    diagnostics (N, C) by name: the ratio used, where it left [1 - eps_low, 1 + eps_high] on the side that
+    matters (below with A < 0, above with A > 0), where dual-clip bound. With old_logp = logp.detach()
+    (num_iterations 1, r = 1) every choice has the gradient -A grad log pi.
       ratio      token: r_t = pi / pi_old                                PPO, GRPO
-                 sequence: s_i = exp(mean_t log r_t) at every token       GSPO (2507.18071) eq. 7
+                 sequence: s_i = exp(mean_t log r_t) at every token       GSPO (2507.18071) eq. 7: with
+                 --loss-agg seq-mean-token-mean, its per-sequence mean; the paper clips at 3e-4 / 4e-4
       surrogate  clip: -min(r A, clip(r, 1-eps_low, 1+eps_high) A)       PPO; DAPO §3.1 clip-higher
                  cispo: -sg(clip(r, 1-eps_low, 1+eps_high)) A log pi      MiniMax-M1 (2506.13585) eq. 4
                  sapo: -(4/tau) sigmoid(tau (r - 1)) A, tau by A's sign   SAPO (2511.20347)
-      dual_clip  c: where A < 0 the loss is at most c |A|                 Dual-clip PPO (1912.09729)"""
+      dual_clip  c: where A < 0 the loss is at most c |A|, i.e. r clamped  Dual-clip PPO (1912.09729); the
+                 at c there (the two-sided clip of INTELLECT-2, verl's clip_ratio_c)"""
     log_ratio = torch.where(mask != 0, logp - old_logp, 0)  # (N, C)
     if a.ratio == "sequence":
         log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (N, 1)
     ratio = torch.exp(log_ratio).expand_as(logp)
     clipped = torch.clamp(ratio, 1 - a.eps_low, 1 + a.eps_high)
+    diag = {"loss/ratio": ratio.detach(), "loss/clipfrac_low": (ratio < 1 - a.eps_low) & (adv < 0),
+            "loss/clipfrac_high": (ratio > 1 + a.eps_high) & (adv > 0)}
     if a.surrogate == "cispo":
         loss = -clipped.detach() * adv * logp
     elif a.surrogate == "sapo":
@@ -647,15 +652,18 @@ def policy_loss(logp, old_logp, adv, mask, a: Args):
     else:
         loss = -torch.min(ratio * adv, clipped * adv)
     if a.dual_clip:
+        diag["loss/dual_clipfrac"] = (adv < 0) & (loss > -a.dual_clip * adv)
         loss = torch.where(adv < 0, torch.minimum(loss, -a.dual_clip * adv), loss)
-    return loss, (ratio < 1 - a.eps_low) & (adv < 0), (ratio > 1 + a.eps_high) & (adv > 0)
+    return loss, diag
 
 def kl_penalty(logp, ref_logp, kind: str = "k3", old_logp=None):
-    """Per-token KL term (Schulman's estimators), with d = log ref - log pi; its gradient under samples of pi:
+    """Per-token KL term (Schulman, "Approximating KL divergence", 2020), with d = log ref - log pi; its
+    gradient under samples of pi:
       k3        e^d - d - 1: an unbiased VALUE of KL(pi || ref), GRPO (2402.03300) eq. 4; but its gradient
                 (1 - ref/pi) grad log pi has the mean grad KL(ref || pi), the reverse direction
-      k3_ratio  k3 · pi / pi_old, the policy loss's ratio (TRL's use_bias_correction_kl, DeepSeek-V3.2): its
-                gradient -(pi / pi_old) d grad log pi has the mean grad KL(pi || ref) under samples of pi_old.
+      k3_ratio  k3 · pi / pi_old, the policy loss's ratio (DeepSeek-V3.2, 2512.02556; TRL's
+                use_bias_correction_kl): its gradient -(pi / pi_old) d grad log pi has the mean
+                grad KL(pi || ref) under samples of pi_old.
                 Written so (k3's value, -d's gradient): differentiating k3 · ratio as is would cancel
                 (1 - e^d) + (e^d - d - 1) in floating point, which loses all of -d past |d| ~ 20 in fp32
       k2        d^2 / 2: gradient -d grad log pi, whose mean is grad KL(pi || ref)"""
@@ -673,8 +681,8 @@ def aggregate_loss(loss, mask, mode: str, max_len: int, n_seqs=None, n_tokens=No
     WHOLE step (every micro-batch, every rank); by default this batch's. Sequences with no loss
     token count in neither.
       token-mean               Σ_i Σ_t l / Σ_i |o_i|                DAPO §3.3
-      seq-mean-token-mean      Σ_i (Σ_t l / |o_i|) / n_seq          GRPO
-      seq-mean-token-sum       Σ_i Σ_t l / n_seq                    Dr. GRPO+ soft
+      seq-mean-token-mean      Σ_i (Σ_t l / |o_i|) / n_seq          GRPO (2402.03300) eq. 3
+      seq-mean-token-sum       Σ_i Σ_t l / n_seq                    Dr. GRPO+ soft (no paper)
       seq-mean-token-sum-norm  Σ_i Σ_t l / (n_seq * max_len)        Dr. GRPO, max_len = T"""
     n_seqs = (mask.sum(-1) > 0).sum() if n_seqs is None else n_seqs
     n_tokens = mask.sum() if n_tokens is None else n_tokens
@@ -686,102 +694,112 @@ def aggregate_loss(loss, mask, mode: str, max_len: int, n_seqs=None, n_tokens=No
     return per_seq.sum() / (max(n_seqs, 1) * (max_len if mode == "seq-mean-token-sum-norm" else 1))
 
 # ----------------------------------------------------------------------------- step and evaluate
+def token_objective(logp, entropy, old_logp, ref_logp, sampler_logp, adv, mask, a: Args):
+    """The per-token loss (N, C) of a micro-batch, before aggregation, in the order --dry-run prints its terms;
+    and its diagnostics (N, C) by name, each logged as its mean over the trained tokens where it is finite.
+    FORKER: a new term or token weight is a line here, and a new metric a line in `diag`."""
+    loss, diag = policy_loss(logp, old_logp, adv, mask, a)  # the surrogate
+    # the sampler's own log-probs (NaN on teacher rows): their gap to the trainer's is its health check
+    known = (mask > 0) & sampler_logp.isfinite()
+    diag["sampler/logp_gap"] = torch.where(known, (old_logp - sampler_logp).abs(), math.nan)
+    if a.tis:  # truncated IS (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy
+        loss = loss * torch.where(known, torch.exp(old_logp - sampler_logp).clamp(max=a.tis), 1)  # RL training")
+    # KL only where the mask is on: past EOS, exp(ref - logp) can overflow and its gradient be NaN
+    ref = logp.detach() if ref_logp is None else torch.where(mask > 0, ref_logp, logp.detach())
+    if a.beta:
+        loss = loss + a.beta * kl_penalty(logp, ref, a.kl, old_logp)
+    diag["kl"] = kl_penalty(logp.detach(), ref)  # k3's value, KL(pi || ref), whatever --kl trains
+    diag["loss/token_mean"] = loss.detach()
+    diag["policy/entropy"] = entropy
+    return loss, diag
+
 def edit_source_grads(g_s: list, g_t: list) -> list:
     """FORKER: the per-source gradients, summed over micro-batches and ranks, before clipping and the
     step. g_s + g_t is the full-batch gradient; inspect, project or drop either part here."""
     return [s + t for s, t in zip(g_s, g_t)]
 
-PER_TOKEN = ("loss", "kl", "policy/entropy", "loss/clipfrac_low", "loss/clipfrac_high")  # metrics a token
-
-def train_step(model, ref_model, opt, batch: dict, a: Args) -> dict:
-    """num_iterations optimizer steps on one rollout batch; returns the step's metrics (over all ranks)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    dev = params[0].device
+def loss_rows(batch: dict, a: Args):
+    """The loss mask (N, C), the step's normalisers n_seqs and n_tokens (every row, skipped ones too, summed
+    over ranks), and the rows that train."""
     mask = batch["mask"]
-    if a.mask_truncated:  # DAPO §3.4 overlong filtering
+    if a.mask_truncated:  # DAPO §3.4 overlong filtering: no loss, and no count in either normaliser
         mask = mask * ~batch["truncated"][:, None]
     has_loss = mask.sum(-1) > 0
-    # the normalisers of the whole step: every row (skipped ones too), summed over ranks
     n_seqs, n_tokens = all_sum(torch.stack([has_loss.sum().float(), mask.sum()])).tolist()
     # equal rewards -> adv = 0 -> no policy gradient: skip those rows (exact with beta = 0)
     skip = batch["zero_variance"] & (a.skip_zero_variance and a.beta == 0)
-    rows = (has_loss & ~skip).nonzero()[:, 0].tolist()
+    return mask, n_seqs, n_tokens, (has_loss & ~skip).nonzero()[:, 0].tolist()
+
+def train_step(model, ref_model, opt, batch: dict, a: Args) -> dict:
+    """num_iterations optimizer steps on one rollout batch: micro-batches, backward (--split-grads: student
+    and teacher rows apart), the gradient summed over ranks. Metrics over the trained rows of every rank."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    dev = params[0].device
+    mask, n_seqs, n_tokens, rows = loss_rows(batch, a)
     chunks = [rows[i:i + a.micro_batch_size] for i in range(0, len(rows), a.micro_batch_size)]
     def forward(idx, net):  # -> logp, entropy (n, C)
         with autocast(a, dev):
             return token_logps(net, batch["input_ids"][idx], batch["attention_mask"][idx], mask.shape[1],
                                a.temperature)
-    old_logp = ref_logp = None
+    old_logp = ref_logp = [None] * len(chunks)
     with torch.no_grad():  # per micro-batch, once, before the first update
         if a.num_iterations > 1:
             old_logp = [forward(idx, model)[0] for idx in chunks]
         if a.beta > 0:  # the reference: the policy with its LoRA adapter off (no second copy), else a copy
             with model.disable_adapter() if ref_model is None else nullcontext():
                 ref_logp = [forward(idx, ref_model or model)[0] for idx in chunks]
-    for _ in range(a.num_iterations):
+    teacher = batch["is_teacher"][:, None].float()  # the mixed pool's two halves, one normaliser
+    parts = {"student": mask * (1 - teacher), "teacher": mask * teacher} if a.split_grads else {"all": mask}
+    for update in range(a.num_iterations):
         for p in params:
             p.grad = torch.zeros_like(p)
-        g_s = [torch.zeros_like(p) for p in params] if a.split_grads else []
-        g_t = [torch.zeros_like(p) for p in params] if a.split_grads else []
-        sums = dict.fromkeys(PER_TOKEN + ("tokens", "rows", "gap", "gapped"), 0)
+        grads = {name: [torch.zeros_like(p) for p in params] for name in parts if a.split_grads}
+        sums = {"loss": 0.0, "train/rows": len(rows)}
         for j, idx in enumerate(chunks):
-            m, adv = mask[idx], batch["adv"][idx][:, None]  # (n, C), (n, 1)
             logp, entropy = forward(idx, model)
-            # num_iterations 1: old_logp = logp.detach(), ratio 1, no extra forward. On teacher rows the
-            # old policy is the CURRENT one too (ratio 1 forced): advantage-weighted imitation, not GRPO
-            old = logp.detach() if old_logp is None else old_logp[j]
-            loss, clip_low, clip_high = policy_loss(logp, old, adv, m, a)
-            # the sampler's own log-probs: their gap to the trainer's is the fast sampler's health check
-            sampler = batch["sampler_logp"][idx]
-            known = (m > 0) & sampler.isfinite()  # teacher rows have none
-            gap = torch.where(known, (old - sampler).abs(), 0)
-            if a.tis:  # truncated importance sampling (Yao et al. 2025; TRL's vllm_importance_sampling_...)
-                loss = loss * torch.where(known, torch.exp(old - sampler).clamp(max=a.tis), 1)
-            # KL only where the mask is on: past EOS, exp(ref - logp) can overflow and its gradient be NaN
-            ref = torch.where(m > 0, ref_logp[j], logp.detach()) if a.beta > 0 else logp.detach()
-            loss = loss + a.beta * kl_penalty(logp, ref, a.kl, old)  # beta 0 adds exactly 0 (value, gradient)
-            if a.split_grads:  # one normaliser; grads harvested and reset between the passes (else the
-                teacher = batch["is_teacher"][idx][:, None].float()  # second would hold g_s + g_t)
-                for part, acc in ((1 - teacher, g_s), (teacher, g_t)):
-                    part_loss = aggregate_loss(loss, m * part, a.loss_agg, a.max_new_tokens, n_seqs, n_tokens)
-                    part_loss.backward(retain_graph=acc is g_s)
-                    for p, g in zip(params, acc):
-                        g += p.grad
-                        p.grad.zero_()
-            else:
-                aggregate_loss(loss, m, a.loss_agg, a.max_new_tokens, n_seqs, n_tokens).backward()
-            with torch.no_grad():  # kl: k3's value, KL(pi || ref), whatever --kl trains
-                per_token = {"loss": loss, "kl": kl_penalty(logp, ref), "policy/entropy": entropy, "gap": gap,
-                             "loss/clipfrac_low": clip_low, "loss/clipfrac_high": clip_high, "gapped": known}
-                for key, x in per_token.items():
-                    sums[key] += (x * m).sum()
-                sums["tokens"] += m.sum()
-                sums["rows"] += len(idx)
+            # num_iterations 1: old_logp = logp.detach(), ratio 1, no extra forward. Teacher rows have no
+            # sampler: their pi_old is the policy at the step's start (advantage-weighted imitation, not GRPO)
+            old = logp.detach() if old_logp[j] is None else old_logp[j]
+            loss, diag = token_objective(logp, entropy, old, ref_logp[j], batch["sampler_logp"][idx],
+                                         batch["adv"][idx][:, None], mask[idx], a)
+            for name, part in parts.items():
+                agg = aggregate_loss(loss, part[idx], a.loss_agg, a.max_new_tokens, n_seqs, n_tokens)
+                agg.backward(retain_graph=name == "student")
+                sums["loss"] += agg.detach()
+                for p, g in zip(params, grads.get(name, [])):  # harvested and reset between the passes,
+                    g += p.grad  # else the second would hold g_s + g_t
+                    p.grad.zero_()
+            for key, x in diag.items():  # each over the tokens where it is defined
+                valid = (mask[idx] > 0) & x.isfinite()
+                sums[key] = sums.get(key, 0) + torch.where(valid, x, 0).sum()
+                sums["n:" + key] = sums.get("n:" + key, 0) + valid.sum()
         # the step's gradient is the SUM of the ranks' (each rank's loss carries the global normaliser)
-        for g in g_s + g_t if a.split_grads else [p.grad for p in params]:
+        for g in sum(grads.values(), []) or [p.grad for p in params]:
             all_sum(g)
-        out = {}
-        if a.split_grads:
-            norm_s = torch.sqrt(sum((g * g).sum() for g in g_s))
-            norm_t = torch.sqrt(sum((g * g).sum() for g in g_t))
-            cos = sum((s * t).sum() for s, t in zip(g_s, g_t)) / (norm_s * norm_t).clamp(min=1e-30)
-            out = {"grad/norm_student": norm_s.item(), "grad/norm_teacher": norm_t.item(),
-                   "grad/cos_student_teacher": cos.item()}
-            for p, g in zip(params, edit_source_grads(g_s, g_t)):
-                p.grad = g
-        total = dict(zip(sums, all_sum(torch.tensor([float(v) for v in sums.values()], device=dev)).tolist()))
+        out = split_metrics(grads, params)
+        every = all_gather({k: float(v) for k, v in sums.items()})
+        total = {k: sum(d.get(k, 0.0) for d in every) for k in set().union(*every)}
         norm = torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm or math.inf).item()
-        if not math.isfinite(norm + total["loss"]):  # not applied: the weights and optimizer state stay
-            return {"train/not_finite": 1.0, "train/rows": total["rows"]}
+        if not math.isfinite(norm + total["loss"]):  # this update is not applied; earlier ones of the step were
+            return {"train/not_finite": 1.0, "train/updates": update, "train/rows": total["train/rows"]}
         out["grad/norm"] = norm
         opt.step()
         opt.zero_grad(set_to_none=True)
-    out["train/rows"] = total["rows"]
-    if total["gapped"]:  # over the trained student tokens
-        out["sampler/logp_gap"] = total["gap"] / total["gapped"]
-    if total["tokens"]:  # no policy metrics for a step that trained no token (every group skipped)
-        out.update({k: total[k] / total["tokens"] for k in PER_TOKEN})
-    return out
+    out.update({k: total[k] / total["n:" + k] for k in total if total.get("n:" + k)})
+    return {**out, "loss": total["loss"], "train/rows": total["train/rows"]}
+
+def split_metrics(grads: dict, params: list) -> dict:
+    """--split-grads: |g_s|, |g_t|, their cosine; then .grad = edit_source_grads(g_s, g_t)."""
+    if not grads:
+        return {}
+    g_s, g_t = grads["student"], grads["teacher"]
+    norm_s = torch.sqrt(sum((g * g).sum() for g in g_s))
+    norm_t = torch.sqrt(sum((g * g).sum() for g in g_t))
+    cos = sum((s * t).sum() for s, t in zip(g_s, g_t)) / (norm_s * norm_t).clamp(min=1e-30)
+    for p, g in zip(params, edit_source_grads(g_s, g_t)):
+        p.grad = g
+    return {"grad/norm_student": norm_s.item(), "grad/norm_teacher": norm_t.item(),
+            "grad/cos_student_teacher": cos.item()}
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     return 1 - math.comb(n - c, k) / math.comb(n, k)
@@ -967,8 +985,8 @@ def end_step(run, a: Args, step: int, m: dict, generated: list[dict]) -> bool:
              f"(bf16 noise is a few hundredths): stale weights or a broken KV cache; --compile-generate off")
     run.bad_steps = run.bad_steps + 1 if "train/not_finite" in m else 0
     if run.bad_steps == 3:
-        fail("3 steps in a row had a loss or gradient that was not finite, and none was applied: lower "
-             "--learning-rate, or check the rewards with --log-samples")
+        fail("3 steps in a row had a loss or gradient that was not finite; those updates were not applied: "
+             "lower --learning-rate, or check the rewards with --log-samples")
     rng = {"torch": torch.get_rng_state(), "cuda": None, "python": random.getstate()}  # all a step draws from
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()

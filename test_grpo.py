@@ -178,12 +178,17 @@ def test_clipped_surrogate_by_hand():
     ratio = torch.tensor([[1.5, 0.5, 0.5, 1.5, 1.1]])
     adv = torch.tensor([[1.0, -1.0, 1.0, -1.0, 1.0]])
     ones = torch.ones_like(ratio)
-    loss, low, high = grpo.policy_loss(ratio.log(), torch.zeros_like(ratio), adv, ones, loss_args())
+    loss, diag = grpo.policy_loss(ratio.log(), torch.zeros_like(ratio), adv, ones, loss_args())
     # -min(r A, clip(r, 0.8, 1.28) A), term by term
     want = torch.tensor([[-1.28, 0.8, -0.5, 1.5, -1.1]])
     assert torch.allclose(loss, want, atol=1e-6)
-    assert low.tolist() == [[False, True, False, False, False]]
-    assert high.tolist() == [[True, False, False, False, False]]
+    assert diag["loss/clipfrac_low"].tolist() == [[False, True, False, False, False]]
+    assert diag["loss/clipfrac_high"].tolist() == [[True, False, False, False, False]]
+    assert torch.allclose(diag["loss/ratio"], ratio) and "loss/dual_clipfrac" not in diag
+    # dual-clip c = 1.4 binds where A < 0 and r > c: the 4th token (r 1.5), whose loss becomes c |A|
+    loss, diag = grpo.policy_loss(ratio.log(), torch.zeros_like(ratio), adv, ones, loss_args(dual_clip=1.4))
+    assert diag["loss/dual_clipfrac"].tolist() == [[False, False, False, True, False]]
+    assert torch.allclose(loss, torch.tensor([[-1.28, 0.8, -0.5, 1.4, -1.1]]), atol=1e-6)
     # clipped tokens carry no gradient, unclipped ones carry -A * r
     logp = ratio.log().requires_grad_()
     grpo.policy_loss(logp, torch.zeros_like(logp), adv, ones, loss_args())[0].sum().backward()
@@ -202,7 +207,7 @@ def test_every_loss_has_the_policy_gradient_on_policy(kw):
     logp = (-torch.rand(3, 4) * 3).requires_grad_()
     adv = torch.tensor([[1.5], [-0.7], [0.3]])
     mask = torch.tensor([[1.0, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]])
-    loss, _, _ = grpo.policy_loss(logp, logp.detach(), adv, mask, loss_args(**kw))
+    loss, _ = grpo.policy_loss(logp, logp.detach(), adv, mask, loss_args(**kw))
     g, = torch.autograd.grad((loss * mask).sum(), logp)
     assert torch.allclose(g, -adv * mask, atol=1e-6)
 
@@ -213,7 +218,7 @@ def test_each_loss_off_policy_by_hand():
     def grad(logp_minus_old, adv, mask=None, **kw):
         logp = torch.tensor([logp_minus_old]).requires_grad_()
         mask = torch.ones_like(logp) if mask is None else torch.tensor([mask])
-        loss, _, _ = grpo.policy_loss(logp, torch.zeros_like(logp), torch.tensor([[adv]]), mask, loss_args(**kw))
+        loss, _ = grpo.policy_loss(logp, torch.zeros_like(logp), torch.tensor([[adv]]), mask, loss_args(**kw))
         return torch.autograd.grad((loss * mask).sum(), logp)[0][0].tolist() + [(loss * mask).sum().item()]
     r = 1.5  # above 1 + eps_high = 1.28, A = 1
     assert grad([math.log(r)], 1.0) == pytest.approx([0.0, -1.28])  # clip: flat, no gradient
@@ -1115,7 +1120,7 @@ def test_a_step_that_trains_nothing_logs_no_entropy(loaded):
     groups = tiny.fixed_groups(tok, [[1.0, 1.0], [0.0, 0.0]], a)  # all-equal groups: all skipped
     m = grpo.train_step(copy.deepcopy(model), None, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0),
                         grpo.collate(groups, tok.pad_token_id, "cpu"), a)
-    assert m["train/rows"] == 0 and "policy/entropy" not in m and "loss" not in m
+    assert m["train/rows"] == 0 and m["loss"] == 0 and "policy/entropy" not in m and "loss/token_mean" not in m
 
 
 def test_a_rank_with_no_group_joins_the_step_with_an_empty_batch(loaded):
@@ -1126,7 +1131,7 @@ def test_a_rank_with_no_group_joins_the_step_with_an_empty_batch(loaded):
     assert batch["input_ids"].shape == (0, 0) and batch["adv"].shape == batch["truncated"].shape == (0,)
     m = grpo.train_step(copy.deepcopy(model), None, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0),
                         batch, a)
-    assert m == {"grad/norm": 0.0, "train/rows": 0.0}
+    assert m == {"grad/norm": 0.0, "loss": 0.0, "train/rows": 0.0}
 
 
 def test_token_logps_and_their_gradient_equal_the_full_logits(loaded):
@@ -1497,11 +1502,11 @@ def test_a_run_of_non_finite_steps_stops_and_keeps_the_last_finite_weights(tiny_
 
     def poisoned(logp, *args):  # NaN from step 3 on, as an overflow would make
         calls.append(1)
-        loss, low, high = real(logp, *args)
-        return (loss * float("nan") if len(calls) > 2 * 3 else loss), low, high  # 3 micro-batches a step
+        loss, diag = real(logp, *args)
+        return (loss * float("nan") if len(calls) > 2 * 3 else loss), diag  # 3 micro-batches a step
     monkeypatch.setattr(grpo, "policy_loss", poisoned)
-    with pytest.raises(SystemExit, match="3 steps in a row had a loss or gradient that was not finite, and none "
-                                         "was applied: lower --learning-rate"):
+    with pytest.raises(SystemExit, match="3 steps in a row had a loss or gradient that was not finite; those "
+                                         "updates were not applied: lower --learning-rate"):
         main(common + ["--output-dir", str(tmp_path / "bad"), "--max-steps", "9"])
     rows = metrics(str(tmp_path / "bad"))
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(r["train/not_finite"] == 1 for r in rows[2:])
