@@ -503,27 +503,66 @@ def group_advantages(rewards: torch.Tensor, scale: str = "std", eps: float = 1e-
         adv = adv / (rewards.std(1, keepdim=True) + eps)
     return adv
 
-def soft_weights(stds: torch.Tensor, max_std=None, eps: float = 1e-6) -> torch.Tensor:
-    """Dr. GRPO+ soft reweighting: w_g = std_g / (max_g' std_g' + eps), the max over the step's groups."""
-    return stds / ((stds.max() if max_std is None else max_std) + eps)
+def soft_weights(stds: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Dr. GRPO+ soft reweighting: w_g = std_g / (max_g' std_g' + eps), the max over the step's groups. No
+    paper: a soft form of RAGEN's hard variance filter (2504.20073 §4), which keeps only the top-k groups."""
+    return stds / (stds.max() + eps)
+
+# Several processes (torchrun): each rank samples whole groups. These two carry what the step shares: the
+# kept-group count, every group's rewards for the advantage, the loss normalisers and the gradient sum.
+def all_sum(x: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(x)
+    return x
+
+def all_gather(obj) -> list:  # [every rank's obj]
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 def rollout(model, tok, stream, reward_fns, pool, a: Args, sampler=None, rank=0, world=1):
-    """This rank's groups for one step, sampled, scored, filtered, with advantages; the step's metrics; and
-    every group generated. A group: a prompt, its G = G_s student + G_t teacher completions, rewards (G,)."""
-    G = a.num_generations
+    """One step's groups, in three steps: sampled and scored, filtered, then the advantage, once for the
+    step's (B, G) rewards. Returns this rank's kept groups, the step's metrics and every group sampled."""
+    kept, generated, stats = sample_groups(model, tok, stream, reward_fns, pool, a, sampler, rank, world)
+    kept = kept[:max(0, a.prompts_per_step - sum(all_gather(len(kept))[:rank]))]  # B, lower ranks first
+    everyone = all_gather([g["rewards"].tolist() for g in kept])  # the filters see every rank's groups
+    first = sum(len(groups) for groups in everyone[:rank])  # this rank's first group in the step's
+    rewards = torch.tensor(sum(everyone, [])).view(-1, a.num_generations + a.teacher_per_group)  # (B, G)
+    keep = torch.arange(len(rewards))
+    if a.top_k_groups:  # the hard variance filter (RAGEN, 2504.20073 §4): the k groups of largest std
+        keep = torch.argsort(rewards.std(1), descending=True, stable=True)[:a.top_k_groups].sort().values
+    rewards = rewards[keep]
+    adv = group_advantages(rewards, a.scale, a.std_eps)  # (B, G): a statistic over the batch is a line here
+    if a.soft_reweight:
+        w = soft_weights(rewards.std(1), a.std_eps)  # (B,)
+        adv = adv * w[:, None]
+        stats.update({"adv/soft_weight_min": w.min().item(), "adv/soft_weight_mean": w.mean().item(),
+                      "adv/soft_weight_max": w.max().item()})
+    mine = [(i - first, row) for row, i in enumerate(keep.tolist()) if first <= i < first + len(kept)]
+    for i, row in mine:
+        kept[i]["adv"] = adv[row]
+    stats["groups/kept"] = len(keep)
+    return [kept[i] for i, _ in mine], stats, generated
+
+def sample_groups(model, tok, stream, reward_fns, pool, a: Args, sampler, rank: int, world: int):
+    """Sampling rounds: this rank's share of B prompts, G_s samples each and G_t teacher completions, scored.
+    Dynamic sampling (DAPO §3.2) keeps groups of unequal rewards and samples again until B are kept."""
+    G_s = a.num_generations
     generated = []
     t_generate = t_reward = 0.0
     for rounds in range(1, a.max_gen_rounds + 1):
         batch = [next(stream) for _ in range(a.prompts_per_step)][rank::world]  # whole groups per rank
         t0 = time.time()
         texts = [chat_prompt(tok, ex["prompt"], a.system_prompt) for ex in batch]
-        prompts, comps, truncated, logps = generate(model, tok, texts, G, a, sampler=sampler)
+        prompts, comps, truncated, logps = generate(model, tok, texts, G_s, a, sampler=sampler)
         t1 = time.time()
         texts = tok.batch_decode(comps, skip_special_tokens=True)
-        rewards, per_fn = score(texts, [ex for ex in batch for _ in range(G)], [len(c) for c in comps],
+        rewards, per_fn = score(texts, [ex for ex in batch for _ in range(G_s)], [len(c) for c in comps],
                                 reward_fns, a)
         for i, ex in enumerate(batch):
-            rows = slice(i * G, (i + 1) * G)
+            rows = slice(i * G_s, (i + 1) * G_s)
             # the mixed pool: G_t cached teacher completions, with their frozen rewards, join the group,
             # tokenized as the policy would emit them: text + EOS, cut at T (then truncated)
             picks = random.sample(pool[ex["prompt"]], a.teacher_per_group) if pool else []
@@ -533,35 +572,18 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, sampler=None, rank=0,
                 prompt=ex["prompt"], answer=ex["answer"], prompt_ids=prompts[i],
                 completions=comps[rows] + cached, texts=texts[rows] + [text for text, _ in picks],
                 truncated=truncated[rows] + [len(ids) > a.max_new_tokens for ids in full],
-                is_teacher=[False] * G + [True] * len(picks),  # teachers have no sampler log-probs:
+                is_teacher=[False] * G_s + [True] * len(picks),  # teachers have no sampler log-probs:
                 sampler_logp=logps[rows] + [torch.full((len(ids),), math.nan) for ids in cached],
                 rewards=torch.cat([rewards[rows], torch.tensor([r for _, r in picks])]),
                 per_fn={k: v[rows] for k, v in per_fn.items()}))
         t_generate += t1 - t0
         t_reward += time.time() - t1
-        # DAPO §3.2 dynamic sampling: keep groups of unequal rewards; sample again until B are kept
         kept = [g for g in generated if not a.dynamic_sampling or g["rewards"].max() > g["rewards"].min()]
         if all_sum(torch.tensor([len(kept)], device=model.device)).item() >= a.prompts_per_step:
             break
-    kept = kept[:max(0, a.prompts_per_step - sum(all_gather(len(kept))[:rank]))]  # B, lower ranks first
-    everyone = all_gather([g["rewards"].std().item() for g in kept])  # the filters see every rank's groups
-    stds = torch.tensor(sum(everyone, []))
-    if a.top_k_groups:  # the hard variance filter (RAGEN, 2504.20073 §4): the k groups of largest std
-        top = set(torch.argsort(stds, descending=True, stable=True)[:a.top_k_groups].tolist())
-        first = sum(len(s) for s in everyone[:rank])  # this rank's first group's index in stds
-        kept = [g for i, g in enumerate(kept, first) if i in top]
-        stds = stds[sorted(top)]
-    for g in kept:  # one advantage over the G_s + G_t rows
-        g["adv"] = group_advantages(g["rewards"][None], a.scale, a.std_eps)[0]
-        if a.soft_reweight:
-            g["adv"] = g["adv"] * soft_weights(g["rewards"].std(), stds.max(), a.std_eps)
-    stats = {"groups/kept": len(stds), "groups/gen_rounds": rounds, "time/generate": t_generate,
-             "time/reward": t_reward, **group_metrics(generated)}
-    if a.soft_reweight and len(stds):
-        w = soft_weights(stds, eps=a.std_eps)
-        stats.update({"adv/soft_weight_min": w.min().item(), "adv/soft_weight_mean": w.mean().item(),
-                      "adv/soft_weight_max": w.max().item()})
-    return kept, stats, generated
+    stats = {"groups/gen_rounds": rounds, "time/generate": t_generate, "time/reward": t_reward,
+             **group_metrics(generated)}
+    return kept, generated, stats
 
 def group_metrics(groups: list[dict]) -> dict:
     """Rewards, lengths and accuracy (by `correct`, whatever trains) of every rank's completions."""
@@ -846,18 +868,6 @@ def setup_distributed():
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return dist.get_rank(), dist.get_world_size(), device
-
-def all_sum(x: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(x)
-    return x
-
-def all_gather(obj) -> list:
-    if not dist.is_initialized():
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
 
 def last_checkpoint(output_dir: str) -> str | None:  # .old: whole when a save was killed between its renames
     paths = [os.path.join(output_dir, "checkpoint"), os.path.join(output_dir, "checkpoint.old")]

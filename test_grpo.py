@@ -124,7 +124,7 @@ def test_group_advantages_by_hand():
 def test_soft_weights_by_hand():
     w = grpo.soft_weights(torch.tensor([0.5, 0.25, 0.0]), eps=0)
     assert torch.allclose(w, torch.tensor([1.0, 0.5, 0.0]))
-    assert torch.allclose(grpo.soft_weights(torch.tensor([0.5, 0.25]), max_std=1.0, eps=0), torch.tensor([0.5, 0.25]))
+    assert torch.allclose(grpo.soft_weights(torch.tensor([[0.5], [1.0]]), eps=0), torch.tensor([[0.5], [1.0]]))
 
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
