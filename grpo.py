@@ -205,7 +205,8 @@ def check_args(a: Args):
             fail(msg)
 
 def describe(a: Args) -> str:
-    """--dry-run: the objective the resolved flags optimise, in one formula, then every flag."""
+    """--dry-run: the objective the resolved flags optimise, its terms in the order token_objective builds
+    them, then every flag. Each flag that changes the objective changes this text (a test checks)."""
     clip = f"clip(r, 1-{a.eps_low:g}, 1+{a.eps_high:g})"
     sapo = f"4/τ·σ(τ(r-1))·A_i, τ = {a.sapo_tau_pos:g} if A_i > 0 else {a.sapo_tau_neg:g}"
     term = {"clip": f"min(r·A_i, {clip}·A_i)", "cispo": f"sg({clip})·A_i·log π_θ",
@@ -219,17 +220,29 @@ def describe(a: Args) -> str:
     norm = {"token-mean": "Σ_i |o_i|", "seq-mean-token-mean": "n_seq |o_i|", "seq-mean-token-sum": "n_seq",
             "seq-mean-token-sum-norm": f"n_seq·{a.max_new_tokens}"}[a.loss_agg]
     ratio = {"token": "π_θ/π_old per token", "sequence": "s_i = exp(mean_t log π_θ/π_old)"}[a.ratio]
-    adv = {"std": "(R_i - mean_g(R)) / (std_g(R) + eps)", "none": "R_i - mean_g(R)"}[a.scale]
-    lines = [f"J(θ) = E_q [ Σ_i Σ_t ({term}) / ({norm}) ],  r = {ratio}", f"  A_i = {adv}"]
+    old = f"π_old = π_θ before the first of {a.num_iterations} updates on a batch"
+    if a.num_iterations == 1:
+        old = "π_old = sg(π_θ): one update a batch, r = 1"
+    adv = {"std": f"(R_i - mean_g(R)) / (std_g(R) + {a.std_eps:g})", "none": "R_i - mean_g(R)"}[a.scale]
     if a.soft_reweight:
-        lines[-1] += "  ·  std_g / max_g' std_g'"
-    lines.append("  R = " + " + ".join(filter(None, [a.rewards.replace(",", " + "), a.reward_fn])))
+        adv += f"  ·  std_g / (max_g' std_g' + {a.std_eps:g})"
+    reward = " + ".join(filter(None, [a.rewards.replace(",", " + "), a.reward_fn]))
     if a.overlong_penalty:
-        lines[-1] += f" + overlong(L_cache={a.overlong_buffer})"
+        reward += f" + overlong(L_cache={a.overlong_buffer})"
     filters = {f"dynamic sampling (≤{a.max_gen_rounds} rounds)": a.dynamic_sampling,
                f"top-{a.top_k_groups} groups by std": a.top_k_groups, "truncated masked": a.mask_truncated}
-    lines.append(f"  filters: {', '.join(k for k, on in filters.items() if on) or 'none'}\n")
-    return "\n".join(lines + [textwrap.fill(" ".join(f"{dash(k)} {v!r}" for k, v in vars(a).items()), 100)])
+    lines = [f"J(θ) = E_q [ Σ_i Σ_t ({term}) / ({norm}) ],  r = {ratio}", f"  {old}",
+             f"  o_1..{a.num_generations} ~ π_old(·|q), temperature {a.temperature:g}, top-p {a.top_p:g}, "
+             f"top-k {a.top_k}, |o_i| ≤ {a.max_new_tokens}; B = {a.prompts_per_step} prompts q a step",
+             f"  A_i = {adv}", f"  R = {reward}",
+             f"  filters: {', '.join(k for k, on in filters.items() if on) or 'none'}"]
+    if a.teacher_pool:
+        lines.append(f"  + G_t = {a.teacher_per_group} teacher o_i a group ({a.teacher_pool}), R frozen; "
+                     "on their rows π_old = π_θ at the step's start")
+    if a.split_grads:
+        lines.append("  ∇J = edit_source_grads(g_s, g_t): student and teacher rows backpropagated apart")
+    flags = " ".join(f"{dash(k)} {v!r}" for k, v in vars(a).items())
+    return "\n".join(lines + ["", textwrap.fill(flags, 100)])
 
 
 # ----------------------------------------------------------------------------- data
@@ -715,17 +728,18 @@ def aggregate_loss(loss, mask, mode: str, max_len: int, n_seqs=None, n_tokens=No
         per_seq = per_seq / mask.sum(-1).clamp(min=1)
     return per_seq.sum() / (max(n_seqs, 1) * (max_len if mode == "seq-mean-token-sum-norm" else 1))
 
-# ----------------------------------------------------------------------------- step and evaluate
+# ----------------------------------------------------------------------------- the step
 def token_objective(logp, entropy, old_logp, ref_logp, sampler_logp, adv, mask, a: Args):
-    """The per-token loss (N, C) of a micro-batch, before aggregation, in the order --dry-run prints its terms;
-    and its diagnostics (N, C) by name, each logged as its mean over the trained tokens where it is finite.
+    """The per-token loss (N, C) of a micro-batch, before aggregation, its terms in --dry-run's order; and
+    its diagnostics (N, C) by name, each logged as its mean over the trained tokens where it is finite.
     FORKER: a new term or token weight is a line here, and a new metric a line in `diag`."""
     loss, diag = policy_loss(logp, old_logp, adv, mask, a)  # the surrogate
     # the sampler's own log-probs (NaN on teacher rows): their gap to the trainer's is its health check
     known = (mask > 0) & sampler_logp.isfinite()
     diag["sampler/logp_gap"] = torch.where(known, (old_logp - sampler_logp).abs(), math.nan)
-    if a.tis:  # truncated IS (Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy
-        loss = loss * torch.where(known, torch.exp(old_logp - sampler_logp).clamp(max=a.tis), 1)  # RL training")
+    # truncated IS: Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"
+    if a.tis:
+        loss = loss * torch.where(known, torch.exp(old_logp - sampler_logp).clamp(max=a.tis), 1)
     # KL only where the mask is on: past EOS, exp(ref - logp) can overflow and its gradient be NaN
     ref = logp.detach() if ref_logp is None else torch.where(mask > 0, ref_logp, logp.detach())
     if a.beta:
@@ -802,7 +816,7 @@ def train_step(model, ref_model, opt, batch: dict, a: Args) -> dict:
         every = all_gather({k: float(v) for k, v in sums.items()})
         total = {k: sum(d.get(k, 0.0) for d in every) for k in set().union(*every)}
         norm = torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm or math.inf).item()
-        if not math.isfinite(norm + total["loss"]):  # this update is not applied; earlier ones of the step were
+        if not math.isfinite(norm + total["loss"]):  # not applied (the step's earlier updates were)
             return {"train/not_finite": 1.0, "train/updates": update, "train/rows": total["train/rows"]}
         out["grad/norm"] = norm
         opt.step()
@@ -822,6 +836,10 @@ def split_metrics(grads: dict, params: list) -> dict:
         p.grad = g
     return {"grad/norm_student": norm_s.item(), "grad/norm_teacher": norm_t.item(),
             "grad/cos_student_teacher": cos.item()}
+
+# ============================================================================= run-keeping
+# Nothing below changes the algorithm: evaluation, processes, checkpoints and resume, the output dir, logs,
+# signals, and main(), the loop.
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     return 1 - math.comb(n - c, k) / math.comb(n, k)
@@ -854,10 +872,6 @@ def evaluate(model, tok, examples: list[dict], a: Args, rank: int = 0, world: in
             for j in sorted({k} | {2 ** e for e in range(1, k.bit_length())} - {1}):
                 out[f"eval/pass@{j}"] = sum(pass_at_k(k, c, j) for c in sampled) / len(sampled)
     return out
-
-# ============================================================================= run-keeping
-# Nothing below changes the algorithm: processes, checkpoints and resume, the output dir, logs, signals,
-# and main(), the loop.
 
 def setup_distributed():
     if "RANK" not in os.environ:
