@@ -1205,6 +1205,39 @@ def test_a_non_finite_step_is_not_applied(loaded):
     assert all(torch.equal(state["state"][i][k], after["state"][i][k]) for i in state["state"] for k in state["state"][i])
 
 
+def test_a_later_non_finite_iteration_keeps_the_earlier_updates_and_says_so(loaded, monkeypatch):
+    """--num-iterations 3, NaN from the second on: the first update is applied and the step says 1 update."""
+    a, model, tok = loaded
+    a = replace(a, num_iterations=3)
+    model = copy.deepcopy(model)
+    before = {k: v.clone() for k, v in model.named_parameters() if v.requires_grad}
+    real, calls = grpo.policy_loss, []
+    def poisoned(logp, *args):
+        calls.append(1)
+        loss, diag = real(logp, *args)
+        return (loss * float("nan") if len(calls) > 3 else loss), diag  # 3 micro-batches an update
+    monkeypatch.setattr(grpo, "policy_loss", poisoned)
+    batch = grpo.collate(tiny.fixed_groups(tok, REWARDS, a), tok.pad_token_id, "cpu")
+    m = grpo.train_step(model, None, grpo.make_optimizer(a, model), batch, a)
+    assert len(calls) == 6 and m["train/not_finite"] == 1.0 and m["train/updates"] == 1
+    assert any(not torch.equal(before[k], v) for k, v in model.named_parameters() if v.requires_grad)
+
+
+def test_the_loss_logged_is_the_scalar_optimised(loaded):
+    """On policy (r = 1, beta 0) every token's loss is -A_i: the step's loss is Σ_i -A_i |o_i| / (n_seq T)
+    under Dr. GRPO's aggregation, and -Σ_i A_i |o_i| / Σ_i |o_i| under token-mean."""
+    a, model, tok = loaded
+    batch = grpo.collate(tiny.fixed_groups(tok, REWARDS, a), tok.pad_token_id, "cpu")
+    lengths, adv = batch["mask"].sum(1), batch["adv"]
+    for agg, want in [("seq-mean-token-sum-norm", -(adv * lengths).sum() / (len(adv) * a.max_new_tokens)),
+                      ("token-mean", -(adv * lengths).sum() / lengths.sum())]:
+        b = replace(a, loss_agg=agg, skip_zero_variance=False)
+        m = grpo.train_step(copy.deepcopy(model), None, torch.optim.SGD([torch.zeros(1, requires_grad=True)]),
+                            batch, b)
+        assert m["loss"] == pytest.approx(want.item(), abs=1e-6)
+        assert m["loss/token_mean"] == pytest.approx((-(adv * lengths).sum() / lengths.sum()).item(), abs=1e-6)
+
+
 def test_no_checkpoint_is_written_from_weights_that_are_not_finite(loaded, tmp_path):
     a, model, tok = loaded
     a = replace(a, output_dir=str(tmp_path))
