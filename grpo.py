@@ -116,7 +116,7 @@ class Args:
     surrogate: str = flag("clip", "clip (PPO) | cispo | sapo (policy_loss)", ("clip", "cispo", "sapo"))
     sapo_tau_pos: float = flag(1.0, "SAPO gate temperature where A > 0")
     sapo_tau_neg: float = flag(1.05, "SAPO gate temperature where A < 0")
-    dual_clip: float = flag(0.0, "c > 1: where A < 0 the loss is at most c |A| (dual-clip PPO; 0: off)")
+    dual_clip: float = flag(0.0, "c > 1: where A < 0, r clamped at c: the loss at most c |A| (dual-clip PPO)")
     beta: float = flag(0.0, "KL weight against the reference (the adapter disabled)")
     kl: str = flag("k3", "KL term (kl_penalty)", ("k3", "k3_ratio", "k2"))
     mask_truncated: bool = flag(False, "DAPO §3.4 overlong filtering: no loss on completions without EOS")
@@ -665,13 +665,13 @@ def policy_loss(logp, old_logp, adv, mask, a: Args):
     matters (below with A < 0, above with A > 0), where dual-clip bound. With old_logp = logp.detach()
     (num_iterations 1, r = 1) every choice has the gradient -A grad log pi.
       ratio      token: r_t = pi / pi_old                                PPO, GRPO
-                 sequence: s_i = exp(mean_t log r_t) at every token       GSPO (2507.18071) eq. 7: with
-                 --loss-agg seq-mean-token-mean, its per-sequence mean; the paper clips at 3e-4 / 4e-4
+                 sequence: s_i = exp(mean_t log r_t) at every token       GSPO (2507.18071) eq. 7; its
+                 objective with --loss-agg seq-mean-token-mean (the paper's eps: 3e-4 / 4e-4)
       surrogate  clip: -min(r A, clip(r, 1-eps_low, 1+eps_high) A)       PPO; DAPO §3.1 clip-higher
                  cispo: -sg(clip(r, 1-eps_low, 1+eps_high)) A log pi      MiniMax-M1 (2506.13585) eq. 4
                  sapo: -(4/tau) sigmoid(tau (r - 1)) A, tau by A's sign   SAPO (2511.20347)
-      dual_clip  c: where A < 0 the loss is at most c |A|, i.e. r clamped  Dual-clip PPO (1912.09729); the
-                 at c there (the two-sided clip of INTELLECT-2, verl's clip_ratio_c)"""
+      dual_clip  c: where A < 0 the loss is at most c |A|                 Dual-clip PPO (1912.09729);
+                 the same as r clamped at c there                         INTELLECT-2, verl's clip_ratio_c"""
     log_ratio = torch.where(mask != 0, logp - old_logp, 0)  # (N, C)
     if a.ratio == "sequence":
         log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (N, 1)
