@@ -13,7 +13,7 @@ token loss -> one optimizer step (num_iterations of them). A preset only sets de
                token sums divided by a constant, n_seq * T. No KL.
   dapo         DAPO (2503.14476) §3: clip-higher (eps_high 0.28), dynamic sampling, token-mean loss,
                soft overlong punishment, +1/-1 correctness reward. No KL.
-  drgrpo_soft  Dr. GRPO+ soft reweighting: Dr. GRPO advantages times std_g / max_g' std_g' (a soft form
+  drgrpo_soft  Dr. GRPO+ soft reweighting (no paper): Dr. GRPO advantages times std_g / max_g' std_g' (a soft form
                of RAGEN's variance filter, 2504.20073 §4); token sums averaged over sequences.
 Newer losses, each a flag at the one loss site (policy_loss): --ratio sequence (GSPO, 2507.18071),
 --surrogate cispo (MiniMax-M1, 2506.13585) | sapo (2511.20347), --dual-clip (1912.09729); KL: --kl.
@@ -240,7 +240,7 @@ def describe(a: Args) -> str:
         lines.append(f"  + G_t = {a.teacher_per_group} teacher o_i a group ({a.teacher_pool}), R frozen; "
                      "on their rows π_old = π_θ at the step's start")
     if a.split_grads:
-        lines.append("  ∇J = edit_source_grads(g_s, g_t): student and teacher rows backpropagated apart")
+        lines.append("  ∇J = g_s + g_t, the student and teacher rows backpropagated apart (edit_source_grads)")
     flags = " ".join(f"{dash(k)} {v!r}" for k, v in vars(a).items())
     return "\n".join(lines + ["", textwrap.fill(flags, 100)])
 
@@ -749,11 +749,6 @@ def token_objective(logp, entropy, old_logp, ref_logp, sampler_logp, adv, mask, 
     diag["policy/entropy"] = entropy
     return loss, diag
 
-def edit_source_grads(g_s: list, g_t: list) -> list:
-    """FORKER: the per-source gradients, summed over micro-batches and ranks, before clipping and the
-    step. g_s + g_t is the full-batch gradient; inspect, project or drop either part here."""
-    return [s + t for s, t in zip(g_s, g_t)]
-
 def loss_rows(batch: dict, a: Args):
     """The loss mask (N, C), the step's normalisers n_seqs and n_tokens (every row, skipped ones too, summed
     over ranks), and the rows that train."""
@@ -812,7 +807,7 @@ def train_step(model, ref_model, opt, batch: dict, a: Args) -> dict:
         # the step's gradient is the SUM of the ranks' (each rank's loss carries the global normaliser)
         for g in sum(grads.values(), []) or [p.grad for p in params]:
             all_sum(g)
-        out = split_metrics(grads, params)
+        out = edit_source_grads(grads, params)
         every = all_gather({k: float(v) for k, v in sums.items()})
         total = {k: sum(d.get(k, 0.0) for d in every) for k in set().union(*every)}
         norm = torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm or math.inf).item()
@@ -824,16 +819,18 @@ def train_step(model, ref_model, opt, batch: dict, a: Args) -> dict:
     out.update({k: total[k] / total["n:" + k] for k in total if total.get("n:" + k)})
     return {**out, "loss": total["loss"], "train/rows": total["train/rows"]}
 
-def split_metrics(grads: dict, params: list) -> dict:
-    """--split-grads: |g_s|, |g_t|, their cosine; then .grad = edit_source_grads(g_s, g_t)."""
+def edit_source_grads(grads: dict, params: list) -> dict:
+    """--split-grads: the student and teacher gradients g_s and g_t, summed over micro-batches and ranks,
+    before clipping and the step; .grad = g_s + g_t, the full-batch gradient. FORKER: inspect, project or
+    drop either part here. Returns |g_s|, |g_t| and their cosine."""
     if not grads:
         return {}
     g_s, g_t = grads["student"], grads["teacher"]
     norm_s = torch.sqrt(sum((g * g).sum() for g in g_s))
     norm_t = torch.sqrt(sum((g * g).sum() for g in g_t))
     cos = sum((s * t).sum() for s, t in zip(g_s, g_t)) / (norm_s * norm_t).clamp(min=1e-30)
-    for p, g in zip(params, edit_source_grads(g_s, g_t)):
-        p.grad = g
+    for p, s, t in zip(params, g_s, g_t):
+        p.grad = s + t
     return {"grad/norm_student": norm_s.item(), "grad/norm_teacher": norm_t.item(),
             "grad/cos_student_teacher": cos.item()}
 
