@@ -13,8 +13,8 @@ token loss -> one optimizer step (num_iterations of them). A preset only sets de
                token sums divided by a constant, n_seq * T. No KL.
   dapo         DAPO (2503.14476) §3: clip-higher (eps_high 0.28), dynamic sampling, token-mean loss,
                soft overlong punishment, +1/-1 correctness reward. No KL.
-  drgrpo_soft  Dr. GRPO+ soft reweighting (no paper): Dr. GRPO advantages times std_g / max_g' std_g' (a soft form
-               of RAGEN's variance filter, 2504.20073 §4); token sums averaged over sequences.
+  drgrpo_soft  Dr. GRPO+ soft reweighting (no paper): Dr. GRPO advantages times std_g / max_g' std_g' (a
+               soft form of RAGEN's variance filter, 2504.20073 §4); token sums averaged over sequences.
 Newer losses, each a flag at the one loss site (policy_loss): --ratio sequence (GSPO, 2507.18071),
 --surrogate cispo (MiniMax-M1, 2506.13585) | sapo (2511.20347), --dual-clip (1912.09729); KL: --kl.
 Mixed pool (--teacher-pool): G_s samples and G_t cached teacher completions with frozen rewards in one
@@ -240,7 +240,7 @@ def describe(a: Args) -> str:
         lines.append(f"  + G_t = {a.teacher_per_group} teacher o_i a group ({a.teacher_pool}), R frozen; "
                      "on their rows π_old = π_θ at the step's start")
     if a.split_grads:
-        lines.append("  ∇J = g_s + g_t, the student and teacher rows backpropagated apart (edit_source_grads)")
+        lines.append("  ∇J = g_s + g_t: student and teacher rows backpropagated apart (edit_source_grads)")
     flags = " ".join(f"{dash(k)} {v!r}" for k, v in vars(a).items())
     return "\n".join(lines + ["", textwrap.fill(flags, 100)])
 
