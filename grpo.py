@@ -262,8 +262,7 @@ def arithmetic_task(n: int, seed: int, held_out: bool = False) -> list[dict]:
     return out
 
 def read_records(source: str, split: str) -> list[tuple[str, dict]]:
-    """(where, record): a JSONL file's lines ('path:line'), else the rows of NAME[:CONFIG][@SPLIT] through
-    `datasets`, a hub id or a local directory ('NAME@SPLIT:row'; no CONFIG: its first, as gsm8k's main)."""
+    """(where, record): a JSONL file's lines, else the rows of NAME[:CONFIG][@SPLIT] through `datasets`."""
     if os.path.isfile(source) or source.endswith(".jsonl"):
         try:
             with open(source, "rb") as f:
@@ -275,11 +274,9 @@ def read_records(source: str, split: str) -> list[tuple[str, dict]]:
             if not line.strip():
                 continue
             try:
-                rows.append((f"{source}:{i}", json.loads(line)))
-            except ValueError as e:
-                fail(f"{source}:{i}: not valid JSON ({e}); JSONL is one JSON object a line")
-            if not isinstance(rows[-1][1], dict):
-                fail(f"{source}:{i}: not a JSON object; JSONL is one JSON object a line")
+                rows.append((f"{source}:{i}", {**json.loads(line)}))
+            except (ValueError, TypeError) as e:  # not JSON, or JSON but not an object
+                fail(f"{source}:{i}: not a JSON object ({e}); JSONL is one JSON object a line")
     else:
         if "@" in source:
             source, _, split = source.partition("@")
@@ -297,8 +294,7 @@ def read_records(source: str, split: str) -> list[tuple[str, dict]]:
     return rows
 
 def load_examples(source: str, split: str, graded: bool, reward_fns=()) -> list[dict]:
-    """prompt/answer records, or GSM8K's question/answer ('... #### N': the reference is N). graded: a reward
-    reads the answer. Each reward is bound to each record's fields as score() will call it."""
+    """prompt/answer records or GSM8K's question/answer ('... #### N'); graded: a reward reads the answer."""
     out = []
     for where, rec in read_records(source, split):
         prompt = rec.get("question", rec.get("prompt"))
@@ -309,7 +305,7 @@ def load_examples(source: str, split: str, graded: bool, reward_fns=()) -> list[
                  f"number; GSM8K's: '... #### N'), neither empty")
         out.append({**rec, "prompt": prompt, "answer": answer})
         fields = {k: v for k, v in out[-1].items() if k != "answer"}
-        for name, fn, _ in reward_fns:
+        for name, fn, _ in reward_fns:  # bound as score() will call it: a field a reward needs is here
             try:
                 inspect.signature(fn).bind(answer, answer, **fields, length=0)
             except TypeError as e:  # a keyword the reward requires and the record lacks, or the reverse
@@ -560,8 +556,7 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, sampler=None, rank=0,
                                 reward_fns, a)
         for i, ex in enumerate(batch):
             rows = slice(i * G, (i + 1) * G)
-            # the mixed pool: G_t cached teacher completions, with their frozen rewards, join the group,
-            # tokenized at load as the policy would emit them: text + EOS, none over T (load_teacher_pool)
+            # the mixed pool: G_t teacher completions (tokenized at load) join the group with frozen rewards
             picks = random.sample(pool[ex["prompt"]], a.teacher_per_group) if pool else []
             generated.append(dict(
                 prompt=ex["prompt"], answer=ex["answer"], prompt_ids=prompts[i],
