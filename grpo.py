@@ -1019,8 +1019,8 @@ def end_step(run, a: Args, step: int, m: dict, generated: list[dict]) -> bool:
         for r in sample_rows(generated[:1], step):
             run.bar.write(f"grpo: reward {r['reward']:.3g} {r['rewards']}: {r['completion'][:50]!r}",
                           file=sys.stderr)
-    run.flat = run.flat + 1 if m["groups/equal_frac"] == 1 or run.flat >= FLAT_STEPS else 0  # (then: grows)
-    if run.flat == FLAT_STEPS:  # said once
+    run.flat = run.flat + 1 if m["groups/equal_frac"] == 1 or run.flat >= FLAT_STEPS else 0
+    if run.flat == FLAT_STEPS:  # said once: past FLAT_STEPS, run.flat only grows
         run.bar.write(f"grpo: note: equal rewards in every group at steps {step - FLAT_STEPS + 1}-{step}, so "
                       "nothing trains: try a denser reward, a stronger model or easier prompts (--log-samples"
                       " 1 shows them)", file=sys.stderr)

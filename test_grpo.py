@@ -738,19 +738,20 @@ def test_paths_are_saved_absolute(tmp_path, tiny_dir):
     os.chdir(tmp_path)
     try:
         a = grpo.parse_args(["--reward-fn", "rw.py:r", "--model", os.path.relpath(tiny_dir), "--dataset",
-                             "gsm8k:main@test"])
+                             "gsm8k@test", "--eval-dataset", "gsm8k:main@test"])
     finally:
         os.chdir(here)
-    assert a.reward_fn == f"{tmp_path}/rw.py:r" and a.model == tiny_dir and a.dataset == f"{tmp_path}/gsm8k:main@test"
+    assert a.reward_fn == f"{tmp_path}/rw.py:r" and a.model == tiny_dir
+    assert (a.dataset, a.eval_dataset) == (f"{tmp_path}/gsm8k@test", f"{tmp_path}/gsm8k:main@test")  # DIR[:CONFIG][@SPLIT]
     assert grpo.parse_args(["--model", "Qwen/Qwen2.5-0.5B-Instruct"]).model == "Qwen/Qwen2.5-0.5B-Instruct"
 
 
 @pytest.mark.parametrize("lines, says", [
-    (['{"prompt": "a", "answer": "1"}', '{"prompt": "b", "answer": '], "bad.jsonl:2: not valid JSON"),
+    (['{"prompt": "a", "answer": "1"}', '{"prompt": "b", "answer": '], "bad.jsonl:2: not a JSON object .Expecting value"),
     (['{"prompt": "a", "answer": "1"}', '{"prompt": "b"}'], "bad.jsonl:2: each line needs a prompt .* and an answer"),
     (["", "  "], "bad.jsonl: no examples"),
-    (['[{"prompt": "a", "answer": "1"}]'], "bad.jsonl:1: not a JSON object; JSONL is one JSON object a line"),
-    (["[", '{"prompt": "a", "answer": "1"}', "]"], "bad.jsonl:1: not valid JSON .*JSONL is one JSON object a line"),
+    (['[{"prompt": "a", "answer": "1"}]'], "bad.jsonl:1: not a JSON object .*; JSONL is one JSON object a line"),
+    (["[", '{"prompt": "a", "answer": "1"}', "]"], "bad.jsonl:1: not a JSON object .*JSONL is one JSON object a line"),
     (['{"prompt": ["a"], "answer": "1"}'], "bad.jsonl:1: each line needs a prompt"),
     (['{"prompt": "a", "answer": "1"}', '{"prompt": "x", "answer": null}'], "bad.jsonl:2: each line needs"),
     (['{"prompt": "x", "answer": " "}'], "bad.jsonl:1: each line needs a prompt .* neither empty"),
@@ -758,7 +759,7 @@ def test_paths_are_saved_absolute(tmp_path, tiny_dir):
     (['{"prompt": "a", "answer": "1"}', '{"prompt": "b", "answer": ["1", "2"]}'], "bad.jsonl:2: .* .a string or a number"),
     (['{"prompt": "a", "answer": {"n": 1}}'], "bad.jsonl:1: each line needs .* an answer .a string or a number"),
     (['{"prompt": "a", "answer": true}'], "bad.jsonl:1: each line needs .* an answer .a string or a number"),
-    (['{"question": "a", "answer": "2+2=4\\n#### "}'], "bad.jsonl:1: each line needs .* GSM8K's: '... #### N'"),
+    (['{"question": "a", "answer": "2+2=4\\n####"}'], "bad.jsonl:1: each line needs .* GSM8K's: '... #### N'"),
     (['{"prompt": "a", "answer": "1"}', '{"prompt": "caf\\u00e9", "answer": "1"}'], None),
 ])
 def test_bad_data_names_file_and_line(tmp_path, lines, says):
@@ -766,7 +767,7 @@ def test_bad_data_names_file_and_line(tmp_path, lines, says):
     if says is None:  # not UTF-8: latin-1 bytes
         (tmp_path / "bad.jsonl").write_bytes('{"prompt": "a", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "1"}\n'
                                              .encode("latin-1"))
-        says = "bad.jsonl:2: not valid JSON"
+        says = "bad.jsonl:2: not a JSON object"
     with pytest.raises(SystemExit, match=says):
         grpo.main(["--dataset", path, "--model", "no-such/model", "--output-dir", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
@@ -1548,14 +1549,17 @@ def test_samples_log_first_group_and_sampled_eval(tiny_dir, tmp_path, capsys):
 
 def test_a_run_in_which_nothing_trains_says_so_once(tiny_dir, tmp_path, capsys):
     """Equal rewards in every group (no advantage): after 5 such steps in a row, one note saying so, and never again.
-    Here step 5 alone has unequal rewards (10 calls a step: 2 at start-up, then B x G = 8): steps 6-10 make five."""
-    body = "n = 0\ndef r(c, a, **kw):\n    global n\n    n += 1\n    return float(34 < n <= 42 and n % 2)\n"
-    main(["--model", tiny_dir, "--output-dir", str(tmp_path / "out"), "--max-steps", "12"] + TINY
+    Here steps 5 and 11 alone have unequal rewards (2 calls at start-up, then B x G = 8 a step): steps 6-10 make
+    five in a row, and 12-16 would make five again."""
+    body = "n = 0\ndef r(c, a, **kw):\n    global n\n    n += 1\n    return float((34 < n <= 42 or 82 < n <= 90) " \
+           "and n % 2)\n"
+    main(["--model", tiny_dir, "--output-dir", str(tmp_path / "out"), "--max-steps", "16"] + TINY
          + ["--eval-every", "0"] + reward_file(tmp_path, body)[:2])
     notes = [line for line in capsys.readouterr().err.splitlines() if "nothing trains" in line]
     assert notes == ["grpo: note: equal rewards in every group at steps 6-10, so nothing trains: try a denser "
                      "reward, a stronger model or easier prompts (--log-samples 1 shows them)"]
-    assert [r["groups/equal_frac"] for r in metrics(str(tmp_path / "out"))] == [1.0] * 4 + [0.0] + [1.0] * 7
+    equal = [r["groups/equal_frac"] for r in metrics(str(tmp_path / "out"))]
+    assert equal == [1.0] * 4 + [0.0] + [1.0] * 5 + [0.0] + [1.0] * 5
 
 
 def test_tiny_py_builds_a_model_from_the_command_line(tmp_path, monkeypatch, capsys):
