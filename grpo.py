@@ -84,8 +84,8 @@ class Args:
     save_every: int = flag(50, "steps between checkpoints (0: only at the end)")
     wandb_project: str = flag("", "log to this wandb project too (needs wandb installed)")
     log_samples: int = flag(0, "groups a step written to samples.jsonl: texts, rewards, advantages")
-    dataset: str = flag("", "JSONL of prompt/answer or GSM8K's lines ('': the built-in task)")  # data
-    eval_dataset: str = flag("", "JSONL of held-out prompts (the built-in task has its own)")
+    dataset: str = flag("", "JSONL of prompt/answer or GSM8K lines, or a NAME[:CONFIG][@SPLIT] dataset")  # data
+    eval_dataset: str = flag("", "held-out prompts, as --dataset (its split: test); '': the built-in task's")
     max_samples: int = flag(0, "train on the first N examples only (0: all)")
     eval_every: int = flag(50, "steps between evaluations, also before the first and at the last (0: none)")
     eval_prompts: int = flag(64, "held-out prompts an evaluation")
@@ -971,9 +971,8 @@ def start(a: Args):
     bar = tqdm(range(state["step"] + 1, a.max_steps + 1), desc=a.algo, disable=rank > 0)
     run = types.SimpleNamespace(rank=rank, world=world, device=device, model=model, tok=tok, opt=opt, bar=bar,
                                 ref_model=ref_model, sampler=sampler, reward_fns=reward_fns, pool=pool,
-                                evals=evals, stream=stream, start=state["step"], busy=False, stop=0)
+                                evals=evals, stream=stream, start=state["step"], busy=False, stop=0, flat=0)
     run.bad_steps = 0  # non-finite steps in a row
-    run.flat = 0  # steps in a row in which every group's rewards were equal (no advantage)
     run.done = {"step": state["step"], "prompts_drawn": state["prompts_drawn"]}  # the last completed step
     run.saved = state["step"]  # the step of the last checkpoint
     if rank == 0:  # every check has passed: only now is the output dir written
@@ -994,7 +993,7 @@ def start(a: Args):
     return run
 
 GAP_LIMIT = 0.25  # mean |sampler - trainer| log-prob gap that stops a run (bf16 rounding: a few hundredths)
-FLAT_STEPS = 5  # steps in a row in which every group's rewards were equal (nothing trains) before a note
+FLAT_STEPS = 5  # steps in a row whose groups all had equal rewards (run.flat: nothing trains) before a note
 
 def end_step(run, a: Args, step: int, m: dict, generated: list[dict]) -> bool:
     if m.get("sampler/logp_gap", 0) > GAP_LIMIT:
