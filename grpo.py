@@ -84,7 +84,7 @@ class Args:
     save_every: int = flag(50, "steps between checkpoints (0: only at the end)")
     wandb_project: str = flag("", "log to this wandb project too (needs wandb installed)")
     log_samples: int = flag(0, "groups a step written to samples.jsonl: texts, rewards, advantages")
-    dataset: str = flag("", "JSONL (prompt/answer or GSM8K lines), or a NAME[:CONFIG][@SPLIT] dataset")  # data
+    dataset: str = flag("", "JSONL (prompt/answer or GSM8K lines) or a NAME[:CONFIG][@SPLIT] dataset")  # data
     eval_dataset: str = flag("", "held-out prompts, as --dataset (its split: test); '': the built-in task's")
     max_samples: int = flag(0, "train on the first N examples only (0: all)")
     eval_every: int = flag(50, "steps between evaluations, also before the first and at the last (0: none)")
