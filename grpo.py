@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import fcntl
 import importlib.util
+import inspect
 import itertools
 import json
 import math
@@ -83,8 +84,8 @@ class Args:
     save_every: int = flag(50, "steps between checkpoints (0: only at the end)")
     wandb_project: str = flag("", "log to this wandb project too (needs wandb installed)")
     log_samples: int = flag(0, "groups a step written to samples.jsonl: texts, rewards, advantages")
-    dataset: str = flag("", "JSONL of prompt/answer or GSM8K's lines ('': the built-in task)")  # data
-    eval_dataset: str = flag("", "JSONL of held-out prompts (the built-in task has its own)")
+    dataset: str = flag("", "JSONL (prompt/answer or GSM8K lines) or a NAME[:CONFIG][@SPLIT] dataset")  # data
+    eval_dataset: str = flag("", "held-out prompts, as --dataset (its split: test); '': the built-in task's")
     max_samples: int = flag(0, "train on the first N examples only (0: all)")
     eval_every: int = flag(50, "steps between evaluations, also before the first and at the last (0: none)")
     eval_prompts: int = flag(64, "held-out prompts an evaluation")
@@ -168,7 +169,7 @@ def parse_args(argv=None) -> Args:
     if a.overlong_penalty and a.overlong_buffer == 0:  # derived values
         a.overlong_buffer = max(1, a.max_new_tokens // 5)
     for name in PATHS:  # saved absolute, so that --resume works from any directory
-        path = getattr(a, name).split(":")[0]  # --reward-fn is PATH.py:FUNCTION
+        path = getattr(a, name).split(":")[0].split("@")[0]  # PATH.py:FUNCTION, DIR[:CONFIG][@SPLIT]
         if path and os.path.exists(path):
             setattr(a, name, os.path.abspath(path) + getattr(a, name)[len(path):])
     check_args(a)
@@ -195,6 +196,7 @@ def check_args(a: Args):
         (a.resume and a.overwrite, "--resume continues the run, --overwrite deletes it: give one"),
         (a.load_in_4bit and a.lora_r == 0, "--load-in-4bit trains LoRA adapters: set --lora-r > 0"),
         (a.top_k_groups > a.prompts_per_step, "--top-k-groups must be at most --prompts-per-step"),
+        (a.overlong_buffer > a.max_new_tokens, "--overlong-buffer must be at most --max-new-tokens (L_max)"),
         (bool(a.teacher_pool) != (a.teacher_per_group > 0), "the mixed pool needs both --teacher-pool PATH "
                                                              "and --teacher-per-group G_T > 0"),
         (a.split_grads and not a.teacher_pool, "--split-grads needs --teacher-pool (the teacher half)"),
@@ -272,60 +274,89 @@ def arithmetic_task(n: int, seed: int, held_out: bool = False) -> list[dict]:
         out.append({"prompt": question, "answer": str([a + b, abs(a - b), a * b, b][kind])})
     return out
 
-def read_jsonl(path: str) -> list[tuple[int, dict]]:
-    try:
-        with open(path, "rb") as f:
-            lines = f.read().splitlines()
-    except OSError as e:
-        fail(f"{path}: {e.strerror}")
-    rows = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+def read_records(source: str, split: str) -> list[tuple[str, dict]]:
+    """(where, record): a JSONL file's lines, else the rows of NAME[:CONFIG][@SPLIT] through `datasets`."""
+    if os.path.isfile(source) or source.endswith(".jsonl"):
         try:
-            rows.append((i, json.loads(line)))
-        except ValueError as e:
-            fail(f"{path}:{i}: not valid JSON ({e}); JSONL is one JSON object a line")
-        if not isinstance(rows[-1][1], dict):
-            fail(f"{path}:{i}: not a JSON object; JSONL is one JSON object a line")
+            with open(source, "rb") as f:
+                lines = f.read().splitlines()
+        except OSError as e:
+            fail(f"{source}: {e.strerror}")
+        rows = []
+        for i, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append((f"{source}:{i}", {**json.loads(line)}))
+            except (ValueError, TypeError) as e:  # not JSON, or JSON but not an object
+                fail(f"{source}:{i}: not a JSON object ({e}); JSONL is one JSON object a line")
+    else:
+        if "@" in source:
+            source, _, split = source.partition("@")
+        name, _, config = source.partition(":")
+        if importlib.util.find_spec("datasets") is None:
+            fail(f"{source} is not a JSONL file: a hub dataset or a directory needs `pip install datasets`")
+        from datasets import get_dataset_config_names, load_dataset
+        try:
+            rows = load_dataset(name, config or get_dataset_config_names(name)[0], split=split)
+        except Exception as e:  # not found, offline, no such config or split: what `datasets` says, one line
+            fail(f"{source}@{split}: {' '.join(str(e).split())}")
+        rows = [(f"{source}@{split}:{i}", rec) for i, rec in enumerate(rows, 1)]
     if not rows:
-        fail(f"{path}: no examples")
+        fail(f"{source}: no examples")
     return rows
 
-def load_examples(path: str, graded: bool) -> list[dict]:
+def load_examples(source: str, split: str, graded: bool, reward_fns=()) -> list[dict]:
+    """prompt/answer records or GSM8K's question/answer ('... #### N'); graded: a reward reads the answer."""
     out = []
-    for i, rec in read_jsonl(path):
+    for where, rec in read_records(source, split):
         prompt = rec.get("question", rec.get("prompt"))
-        empty = rec.get("answer") is None or graded and not str(rec["answer"]).strip()  # graded: it is read
-        if not isinstance(prompt, str) or not prompt.strip() or empty:
-            fail(f"{path}:{i}: each line needs a prompt (or GSM8K's question) and an answer, neither empty")
-        out.append({**rec, "prompt": prompt, "answer": R.reference_answer(str(rec["answer"]))})
+        answer = R.reference_answer(str(rec.get("answer")))  # graded: it is read, so not empty, not '####'
+        bad = type(rec.get("answer")) not in (str, int, float) or graded and (not answer or "####" in answer)
+        if not isinstance(prompt, str) or not prompt.strip() or bad:
+            fail(f"{where}: each line needs a prompt (or GSM8K's question) and an answer (a string or a "
+                 f"number; GSM8K's: '... #### N'), neither empty")
+        out.append({**rec, "prompt": prompt, "answer": answer})
+        fields = {k: v for k, v in out[-1].items() if k != "answer"}
+        for name, fn, _ in reward_fns:  # bound as score() will call it: a field a reward needs is here
+            try:
+                inspect.signature(fn).bind(answer, answer, **fields, length=0)
+            except TypeError as e:  # a keyword the reward requires and the record lacks, or the reverse
+                fail(f"{where}: reward {name!r} cannot take this record's fields: {e}")
     return out
 
-def load_data(a: Args) -> tuple[list[dict], list[dict]]:
-    graded = any(part.split(":")[0].strip() in ("correct", "correct_pm1", "math_verify")
-                 for part in a.rewards.split(","))
+def load_data(a: Args, reward_fns=()) -> tuple[list[dict], list[dict]]:
+    graded = any(getattr(fn, "reads_answer", False) for _, fn, _ in reward_fns)  # rewards.reads_answer
     evals = []
     if a.dataset == "":
         train = arithmetic_task(20000, a.seed)
         evals = arithmetic_task(a.eval_prompts, 0, held_out=True)
     else:
-        train = load_examples(a.dataset, graded)
+        train = load_examples(a.dataset, "train", graded, reward_fns)
     if a.eval_dataset:
-        evals = load_examples(a.eval_dataset, graded)
+        evals = load_examples(a.eval_dataset, "test", graded)  # (no reward sees them)
     return train[:a.max_samples or None], evals[:a.eval_prompts]
 
-def load_teacher_pool(a: Args, train: list[dict]) -> dict[str, list[tuple[str, float]]]:
-    pool = {}
-    for i, r in read_jsonl(a.teacher_pool):
+def finite32(x) -> bool:  # a reward: a real number that float32 holds (a Python int may not even fit a float)
+    return isinstance(x, numbers.Real) and abs(x) <= torch.finfo(torch.float32).max
+
+def load_teacher_pool(a: Args, train: list[dict], tok) -> dict[str, list[tuple[str, torch.Tensor, float]]]:
+    pool = {}  # prompt -> [(completion, its tokens as the policy would emit them: text + EOS, frozen reward)]
+    for where, r in read_records(a.teacher_pool, "train"):
         ok = isinstance(r.get("prompt"), str) and isinstance(r.get("completion"), str) and r["completion"]
-        if not ok or not isinstance(r.get("reward"), (int, float)) or not math.isfinite(r["reward"]):
-            fail(f"{a.teacher_pool}:{i}: each line needs a prompt, a completion and a finite reward")
-        pool.setdefault(r["prompt"], []).append((r["completion"], float(r["reward"])))
+        if not ok or not finite32(r.get("reward")):
+            fail(f"{where}: each line needs a prompt, a completion and a reward, a number finite in float32")
+        ids = tok(r["completion"], add_special_tokens=False).input_ids + [tok.eos_token_id]
+        pool.setdefault(r["prompt"], []).append((r["completion"], torch.tensor(ids), float(r["reward"])))
     short = [ex["prompt"] for ex in train if len(pool.get(ex["prompt"], [])) < a.teacher_per_group]
     if short:
         fail(f"{len(set(short))} training prompts have fewer than --teacher-per-group {a.teacher_per_group} "
              f"completions in the pool, e.g. {short[0][:60]!r}: add them, or lower --teacher-per-group")
+    trained = {ex["prompt"] for ex in train}
+    long = [len(ids) for p in trained for _, ids, _ in pool[p] if len(ids) > a.max_new_tokens]
+    if long:  # cut at T, a completion would keep the reward graded on its whole text
+        fail(f"--teacher-pool: {len(long)} completions are longer than --max-new-tokens {a.max_new_tokens} "
+             f"tokens with their EOS (the longest: {max(long)}): raise --max-new-tokens, or drop them")
     return pool
 
 def prompt_stream(data: list[dict], seed: int):  # endless; every rank draws the same order
@@ -490,17 +521,18 @@ def build_rewards(a: Args) -> list[tuple[str, object, float]]:
 
 def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns, a: Args):
     """Rewards (n,) and each function's values. A function gets the completion, the answer and, as keywords,
-    the example's other fields (as TRL's); one that raises or gives no finite number stops the run."""
+    the example's other fields (as TRL's) and `length` (tokens); one that raises or gives no number stops."""
     total = torch.zeros(len(texts))
     per_fn = {}
     for name, fn, weight in reward_fns:
         values = []
-        for text, ex in zip(texts, examples):
+        for text, ex, n in zip(texts, examples, lengths):
+            fields = {k: v for k, v in ex.items() if k != "answer"}
             try:
-                values.append(fn(text, ex["answer"], **{k: v for k, v in ex.items() if k != "answer"}))
+                values.append(fn(text, ex["answer"], **fields, length=n))
             except (Exception, SystemExit) as e:  # a user's reward: say which one and why, then stop
                 fail(f"reward {name!r} raised {type(e).__name__}: {e}")
-            if not isinstance(values[-1], numbers.Real) or not torch.tensor(float(values[-1])).isfinite():
+            if not finite32(values[-1]):
                 fail(f"reward {name!r} returned {values[-1]!r:.60}: a reward is a number, finite in float32")
         per_fn[name] = torch.tensor([float(v) for v in values])
         total += weight * per_fn[name]
@@ -576,18 +608,16 @@ def sample_groups(model, tok, stream, reward_fns, pool, a: Args, sampler, rank: 
                                 reward_fns, a)
         for i, ex in enumerate(batch):
             rows = slice(i * G_s, (i + 1) * G_s)
-            # the mixed pool: G_t cached teacher completions, with their frozen rewards, join the group,
-            # tokenized as the policy would emit them: text + EOS, cut at T (then truncated)
+            # the mixed pool: G_t teacher completions (tokenized at load) join the group with frozen rewards
             picks = random.sample(pool[ex["prompt"]], a.teacher_per_group) if pool else []
-            full = [tok(text, add_special_tokens=False).input_ids + [tok.eos_token_id] for text, _ in picks]
-            cached = [torch.tensor(ids[:a.max_new_tokens]) for ids in full]
             generated.append(dict(
                 prompt=ex["prompt"], answer=ex["answer"], prompt_ids=prompts[i],
-                completions=comps[rows] + cached, texts=texts[rows] + [text for text, _ in picks],
-                truncated=truncated[rows] + [len(ids) > a.max_new_tokens for ids in full],
+                completions=comps[rows] + [ids for _, ids, _ in picks],
+                texts=texts[rows] + [text for text, _, _ in picks],
+                truncated=truncated[rows] + [False] * len(picks),
                 is_teacher=[False] * G_s + [True] * len(picks),  # teachers have no sampler log-probs:
-                sampler_logp=logps[rows] + [torch.full((len(ids),), math.nan) for ids in cached],
-                rewards=torch.cat([rewards[rows], torch.tensor([r for _, r in picks])]),
+                sampler_logp=logps[rows] + [torch.full((len(ids),), math.nan) for _, ids, _ in picks],
+                rewards=torch.cat([rewards[rows], torch.tensor([r for _, _, r in picks])]),
                 per_fn={k: v[rows] for k, v in per_fn.items()}))
         t_generate += t1 - t0
         t_reward += time.time() - t1
@@ -612,6 +642,9 @@ def group_metrics(groups: list[dict]) -> dict:
            "completion/truncated_frac": statistics.mean(r["truncated"] for r in students)}
     for name in students[0]["rewards"]:
         out[f"reward/{name}"] = statistics.mean(r["rewards"][name] for r in students)
+    if len(students) < len(rows):  # the mixed pool: reward/mean is over both sources
+        out["reward/mean_student"] = statistics.mean(r["reward"] for r in students)
+        out["reward/mean_teacher"] = statistics.mean(r["reward"] for r in rows if r["teacher"])
     return out
 
 def collate(groups: list[dict], pad_id: int, device) -> dict:
@@ -950,14 +983,14 @@ def start(a: Args):
             raise SystemExit(0)
         if len(state["rng"]) != world:
             fail(f"--resume: the saved run ran on {len(state['rng'])} processes, this one on {world}")
-    train, evals = load_data(a)
-    pool = load_teacher_pool(a, train) if a.teacher_pool else None
     reward_fns = build_rewards(a)
+    train, evals = load_data(a, reward_fns)
     score([train[0]["answer"], ""], [train[0]] * 2, [1, 1], reward_fns, a)  # a broken reward fails here
     if a.wandb_project and importlib.util.find_spec("wandb") is None:
         fail("--wandb-project needs `pip install wandb`")
     torch.manual_seed(a.seed)  # the same LoRA init on every rank
     model, tok, ref_model = load_model(a, device, ckpt if a.resume else None)
+    pool = load_teacher_pool(a, train, tok) if a.teacher_pool else None
     sampler = None
     if a.compile_generate == "on" or a.compile_generate == "auto" and device.type == "cuda":
         texts = [chat_prompt(tok, ex["prompt"], a.system_prompt) for ex in train + evals]
@@ -977,7 +1010,7 @@ def start(a: Args):
     bar = tqdm(range(state["step"] + 1, a.max_steps + 1), desc=a.algo, disable=rank > 0)
     run = types.SimpleNamespace(rank=rank, world=world, device=device, model=model, tok=tok, opt=opt, bar=bar,
                                 ref_model=ref_model, sampler=sampler, reward_fns=reward_fns, pool=pool,
-                                evals=evals, stream=stream, start=state["step"], busy=False, stop=0)
+                                evals=evals, stream=stream, start=state["step"], busy=False, stop=0, flat=0)
     run.bad_steps = 0  # non-finite steps in a row
     run.done = {"step": state["step"], "prompts_drawn": state["prompts_drawn"]}  # the last completed step
     run.saved = state["step"]  # the step of the last checkpoint
@@ -999,6 +1032,7 @@ def start(a: Args):
     return run
 
 GAP_LIMIT = 0.25  # mean |sampler - trainer| log-prob gap that stops a run (bf16 rounding: a few hundredths)
+FLAT_STEPS = 5  # steps in a row whose groups all had equal rewards (run.flat: nothing trains) before a note
 
 def end_step(run, a: Args, step: int, m: dict, generated: list[dict]) -> bool:
     if m.get("sampler/logp_gap", 0) > GAP_LIMIT:
@@ -1023,6 +1057,11 @@ def end_step(run, a: Args, step: int, m: dict, generated: list[dict]) -> bool:
         for r in sample_rows(generated[:1], step):
             run.bar.write(f"grpo: reward {r['reward']:.3g} {r['rewards']}: {r['completion'][:50]!r}",
                           file=sys.stderr)
+    run.flat = run.flat + 1 if m["groups/equal_frac"] == 1 or run.flat >= FLAT_STEPS else 0
+    if run.flat == FLAT_STEPS:  # said once: past FLAT_STEPS, run.flat only grows
+        run.bar.write(f"grpo: note: equal rewards in every group at steps {step - FLAT_STEPS + 1}-{step}, so "
+                      "nothing trains: try a denser reward, a stronger model or easier prompts (--log-samples"
+                      " 1 shows them)", file=sys.stderr)
     if a.wandb_project:
         sys.modules["wandb"].log(m, step=step)
     run.bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{m['accuracy']:.2f}")

@@ -2,9 +2,12 @@
 
 A reward is `fn(completion: str, answer: str, **kw) -> float`: the completion text
 (special tokens stripped), the reference answer (for GSM8K the number after
-`####`), and keyword fields a forker may add. `REWARDS` maps the names that
+`####`), and as keywords `length` (the completion's tokens, its EOS included) and
+the data record's other fields. `REWARDS` maps the names that
 `--rewards correct:1,format:0.2` accepts to these functions. Add yours there, or
-pass `--reward-fn my_file.py:my_fn` without touching this file.
+pass `--reward-fn my_file.py:my_fn` without touching this file. A reward that
+grades against the answer is marked `@reads_answer`: grpo.py then refuses records
+whose answer is empty.
 
 Model text is never eval'd or exec'd. Every regex here is linear-time and
 every answer and number is capped in length, so adversarial text (megabytes of
@@ -155,6 +158,12 @@ def reference_answer(answer: str) -> str:
 
 
 # ------------------------------------------------------------------------------ rewards
+def reads_answer(fn):
+    """Marks a reward that grades the completion against the reference answer (records must hold one)."""
+    fn.reads_answer = True
+    return fn
+
+
 def is_correct(completion: str, answer: str) -> bool:
     """The completion's final answer (final_answer) against the reference: as exact numbers when the
     reference is one number, else as normalised strings (a multiple-choice letter: the answer's leading
@@ -176,11 +185,13 @@ def is_correct(completion: str, answer: str) -> bool:
     return pred is not None and pred == ref
 
 
+@reads_answer
 def correct(completion: str, answer: str, **kw) -> float:
     """1 if the extracted final answer equals the reference numerically, else 0."""
     return 1.0 if is_correct(completion, answer) else 0.0
 
 
+@reads_answer
 def correct_pm1(completion: str, answer: str, **kw) -> float:
     """DAPO (2503.14476) §2.4 rule-based reward: +1 if correct, -1 otherwise."""
     return 1.0 if is_correct(completion, answer) else -1.0
@@ -196,6 +207,7 @@ def r1_format(completion: str, answer: str, **kw) -> float:
     return 0.0
 
 
+@reads_answer
 def math_verify(completion: str, answer: str, **kw) -> float:
     """Optional (pip install math-verify): Hugging Face's checker, the one TRL's accuracy reward uses, on
     the final answer found as above: both sides parsed to sympy and compared (equivalent expressions,

@@ -573,19 +573,47 @@ def test_format_reward_accepts_reasoning_tags():
     assert R.r1_format("<reasoning>a</think><answer>3</answer>", "3") == 0.0
 
 
-def test_reward_functions_get_the_record_s_fields(tmp_path):
-    """As in TRL: the completion, the answer, and every other field of the record as keywords."""
+def test_reward_functions_get_the_record_s_fields_and_the_length(tmp_path):
+    """As in TRL: the completion, the answer, and every other field of the record as keywords; and `length`, the
+    completion's tokens (a token-length reward needs no edit of grpo.py)."""
     a = grpo.parse_args([])
     seen = []
     fns = [("all", lambda c, ans, **kw: seen.append(("all", ans, kw)) or 1.0, 1.0),
-           ("some", lambda c, ans, prompt, **kw: seen.append(("some", ans, prompt)) or 2.0, 1.0)]
+           ("some", lambda c, ans, prompt, length, **kw: seen.append(("some", ans, prompt)) or length / 10, 1.0)]
     ex = {"prompt": "Write f.", "answer": "", "tests": ["assert f() == 1"]}
     total, _ = grpo.score(["def f(): return 1"], [ex], [5], fns, a)
-    assert total.item() == 3.0
-    assert seen == [("all", "", {"prompt": "Write f.", "tests": ["assert f() == 1"]}), ("some", "", "Write f.")]
-    assert grpo.load_examples(write(tmp_path / "d.jsonl", [json.dumps(ex)]), graded=False) == [ex]
+    assert total.item() == 1.5
+    assert seen == [("all", "", {"prompt": "Write f.", "tests": ["assert f() == 1"], "length": 5}),
+                    ("some", "", "Write f.")]
+    assert grpo.load_examples(write(tmp_path / "d.jsonl", [json.dumps(ex)]), "train", False, fns) == [ex]
     with pytest.raises(SystemExit, match="reward 'none' raised TypeError: .*unexpected keyword argument 'prompt'"):
         grpo.score(["x"], [ex], [1], [("none", lambda c, ans: 3.0, 1.0)], a)
+
+
+@pytest.mark.parametrize("line, says", [
+    ({"prompt": "p", "answer": "1"}, "missing a required argument: 'tests'"),
+    ({"prompt": "p", "answer": "1", "tests": [], "length": 3}, "multiple values for keyword argument 'length'")])
+def test_a_record_without_a_field_the_reward_needs_is_named_at_start(tmp_path, line, says):
+    """A custom reward's required keyword is a field every record must have: the file and line say which lacks it,
+    before the model loads, not at the step that draws the record. `length` is the completion's, never a field."""
+    data = write(tmp_path / "d.jsonl", [json.dumps({"prompt": "q", "answer": "1", "tests": ["t"]}), json.dumps(line)])
+    (tmp_path / "rw.py").write_text("def r(completion, answer, tests, **kw):\n    return float(len(tests))\n")
+    with pytest.raises(SystemExit, match=f"d.jsonl:2: reward 'r' cannot take this record's fields: .*{says}"):
+        main(["--dataset", data, "--reward-fn", f"{tmp_path}/rw.py:r", "--model", "no-such/model",
+              "--output-dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+def test_which_rewards_read_the_answer_is_marked_on_the_reward(tmp_path):
+    """A reward marked reads_answer (the built-in graders, or a custom one) needs a non-empty answer in every
+    record; an unmarked one does not: no list of names to keep in step."""
+    data = write(tmp_path / "d.jsonl", ['{"prompt": "write f", "answer": ""}'])
+    mine = lambda c, ans, **kw: 1.0  # noqa: E731
+    assert grpo.load_data(grpo.parse_args(["--dataset", data]), [("mine", mine, 1.0)])[0][0]["answer"] == ""
+    for fn in (R.reads_answer(lambda c, ans, **kw: 1.0), R.correct, R.correct_pm1, R.math_verify):
+        with pytest.raises(SystemExit, match="d.jsonl:1: each line needs a prompt .* and an answer"):
+            grpo.load_data(grpo.parse_args(["--dataset", data]), [("f", fn, 1.0)])
+    assert not getattr(R.r1_format, "reads_answer", False)
 
 
 def test_custom_reward_alone_unless_rewards_given(tmp_path):
@@ -603,6 +631,7 @@ def test_custom_reward_alone_unless_rewards_given(tmp_path):
     ("float('nan')", "reward 'r' returned nan"), ("3.5e38", "reward 'r' returned 3.5e[+]?38"),
     ("None", "reward 'r' returned None: a reward is a number"), ("'0.5'", "reward 'r' returned '0.5': a reward"),
     ("[1.0]", r"returned \[1.0\]"), ("1 / 0", "reward 'r' raised ZeroDivisionError: division by zero"),
+    ("10 ** 400", "reward 'r' returned 1000000.*: a reward is a number, finite in float32"),
     ("__import__('sys').exit(3)", "reward 'r' raised SystemExit: 3")])
 def test_a_reward_that_raises_or_returns_no_finite_number_stops_the_run_named(value, says):
     """float32 is the step's dtype: 3.5e38 is finite in Python and inf there."""
@@ -641,6 +670,8 @@ def test_presets_and_explicit_flags_win():
     (["--output-dir", ""], "--output-dir must name a directory"),
     (["--eval-prompts", "5000"], "--eval-prompts: the built-in task has 2900"),
     (["--rewards", ""], "no reward"),
+    (["--overlong-penalty", "--max-new-tokens", "64", "--overlong-buffer", "65"],
+     "--overlong-buffer must be at most --max-new-tokens"),
 ])
 def test_impossible_flags_fail_with_a_sentence(argv, says):
     with pytest.raises(SystemExit, match=says):
@@ -743,26 +774,33 @@ def test_dry_run_shows_every_flag_that_changes_the_objective():
 
 def test_paths_are_saved_absolute(tmp_path, tiny_dir):
     (tmp_path / "rw.py").write_text("def r(c, a):\n    return 1.0\n")
+    (tmp_path / "gsm8k").mkdir()
     here = os.getcwd()
     os.chdir(tmp_path)
     try:
-        a = grpo.parse_args(["--reward-fn", "rw.py:r", "--model", os.path.relpath(tiny_dir)])
+        a = grpo.parse_args(["--reward-fn", "rw.py:r", "--model", os.path.relpath(tiny_dir), "--dataset",
+                             "gsm8k@test", "--eval-dataset", "gsm8k:main@test"])
     finally:
         os.chdir(here)
     assert a.reward_fn == f"{tmp_path}/rw.py:r" and a.model == tiny_dir
+    assert (a.dataset, a.eval_dataset) == (f"{tmp_path}/gsm8k@test", f"{tmp_path}/gsm8k:main@test")  # DIR[:CONFIG][@SPLIT]
     assert grpo.parse_args(["--model", "Qwen/Qwen2.5-0.5B-Instruct"]).model == "Qwen/Qwen2.5-0.5B-Instruct"
 
 
 @pytest.mark.parametrize("lines, says", [
-    (['{"prompt": "a", "answer": "1"}', '{"prompt": "b", "answer": '], "bad.jsonl:2: not valid JSON"),
+    (['{"prompt": "a", "answer": "1"}', '{"prompt": "b", "answer": '], "bad.jsonl:2: not a JSON object .Expecting value"),
     (['{"prompt": "a", "answer": "1"}', '{"prompt": "b"}'], "bad.jsonl:2: each line needs a prompt .* and an answer"),
     (["", "  "], "bad.jsonl: no examples"),
-    (['[{"prompt": "a", "answer": "1"}]'], "bad.jsonl:1: not a JSON object; JSONL is one JSON object a line"),
-    (["[", '{"prompt": "a", "answer": "1"}', "]"], "bad.jsonl:1: not valid JSON .*JSONL is one JSON object a line"),
+    (['[{"prompt": "a", "answer": "1"}]'], "bad.jsonl:1: not a JSON object .*; JSONL is one JSON object a line"),
+    (["[", '{"prompt": "a", "answer": "1"}', "]"], "bad.jsonl:1: not a JSON object .*JSONL is one JSON object a line"),
     (['{"prompt": ["a"], "answer": "1"}'], "bad.jsonl:1: each line needs a prompt"),
     (['{"prompt": "a", "answer": "1"}', '{"prompt": "x", "answer": null}'], "bad.jsonl:2: each line needs"),
     (['{"prompt": "x", "answer": " "}'], "bad.jsonl:1: each line needs a prompt .* neither empty"),
     (['{"question": "x", "answer": ""}'], "bad.jsonl:1: each line needs a prompt .or GSM8K's question."),
+    (['{"prompt": "a", "answer": "1"}', '{"prompt": "b", "answer": ["1", "2"]}'], "bad.jsonl:2: .* .a string or a number"),
+    (['{"prompt": "a", "answer": {"n": 1}}'], "bad.jsonl:1: each line needs .* an answer .a string or a number"),
+    (['{"prompt": "a", "answer": true}'], "bad.jsonl:1: each line needs .* an answer .a string or a number"),
+    (['{"question": "a", "answer": "2+2=4\\n####"}'], "bad.jsonl:1: each line needs .* GSM8K's: '... #### N'"),
     (['{"prompt": "a", "answer": "1"}', '{"prompt": "caf\\u00e9", "answer": "1"}'], None),
 ])
 def test_bad_data_names_file_and_line(tmp_path, lines, says):
@@ -770,22 +808,59 @@ def test_bad_data_names_file_and_line(tmp_path, lines, says):
     if says is None:  # not UTF-8: latin-1 bytes
         (tmp_path / "bad.jsonl").write_bytes('{"prompt": "a", "answer": "1"}\n{"prompt": "caf\xe9", "answer": "1"}\n'
                                              .encode("latin-1"))
-        says = "bad.jsonl:2: not valid JSON"
+        says = "bad.jsonl:2: not a JSON object"
     with pytest.raises(SystemExit, match=says):
         grpo.main(["--dataset", path, "--model", "no-such/model", "--output-dir", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
 
 
-def test_a_missing_file_or_a_directory_is_one_line(tmp_path):
+def test_a_missing_file_is_one_line(tmp_path):
     with pytest.raises(SystemExit, match="nope.jsonl: No such file or directory"):
-        grpo.load_examples(str(tmp_path / "nope.jsonl"), True)
-    with pytest.raises(SystemExit, match="Is a directory"):
-        grpo.load_examples(str(tmp_path), True)
+        grpo.load_examples(str(tmp_path / "nope.jsonl"), "train", True)
 
 
 def test_gsm8k_format_jsonl(tmp_path):
     path = write(tmp_path / "g.jsonl", ['{"question": "2+2?", "answer": "2+2=<<2+2=4>>4\\n#### 4"}'])
-    assert grpo.load_examples(path, graded=True) == [{"question": "2+2?", "prompt": "2+2?", "answer": "4"}]
+    assert grpo.load_examples(path, "train", True) == [{"question": "2+2?", "prompt": "2+2?", "answer": "4"}]
+
+
+GSM8K = [{"question": f"Tom has {i} pens and buys {i + 2}. How many now?", "answer": f"{i}+{i + 2}=<<{i}+{i + 2}="
+          f"{2 * i + 2}>>{2 * i + 2}\n#### {2 * i + 2}", "level": i % 2} for i in range(5)]
+
+
+def test_a_dataset_that_is_not_a_jsonl_file_loads_through_datasets(tmp_path, monkeypatch):
+    """--dataset openai/gsm8k goes to datasets.load_dataset (NAME[:CONFIG][@SPLIT]); a local directory of parquet
+    files is read as a hub dataset is, which is how this is tested: nothing is downloaded. Its records go through
+    the JSONL reader's checks: the same examples as the same records in a JSONL file."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    d = tmp_path / "gsm8k"
+    d.mkdir()
+    datasets.Dataset.from_list(GSM8K[:3]).to_parquet(str(d / "train.parquet"))
+    datasets.Dataset.from_list(GSM8K[3:]).to_parquet(str(d / "test.parquet"))
+    as_jsonl = grpo.load_examples(write(tmp_path / "g.jsonl", [json.dumps(r) for r in GSM8K]), "train", True)
+    assert [ex["answer"] for ex in as_jsonl] == ["2", "4", "6", "8", "10"]
+    train, evals = grpo.load_data(grpo.parse_args(["--dataset", str(d), "--eval-dataset", str(d)]))
+    assert (train, evals) == (as_jsonl[:3], as_jsonl[3:])  # the splits: train, and test for evaluation
+    _, evals = grpo.load_data(grpo.parse_args(["--dataset", str(d), "--eval-dataset", f"{d}@train"]))
+    assert evals == as_jsonl[:3]  # a split named
+    with pytest.raises(SystemExit, match=f"{d}@valid: Unknown split .valid."):
+        grpo.load_data(grpo.parse_args(["--dataset", f"{d}@valid"]))
+    with pytest.raises(SystemExit, match=f"{d}:other@train: BuilderConfig 'other' not found"):
+        grpo.load_data(grpo.parse_args(["--dataset", f"{d}:other"]))
+    datasets.Dataset.from_list([GSM8K[0], {**GSM8K[1], "answer": "4 ####"}]).to_parquet(str(d / "train.parquet"))
+    with pytest.raises(SystemExit, match=f"{d}@train:2: each line needs a prompt"):
+        grpo.load_data(grpo.parse_args(["--dataset", str(d)]), [("correct", R.correct, 1.0)])
+    with pytest.raises(SystemExit, match=f"{tmp_path}/empty@train: .*"):
+        (tmp_path / "empty").mkdir()
+        grpo.load_data(grpo.parse_args(["--dataset", str(tmp_path / "empty")]))
+
+
+def test_a_dataset_without_datasets_installed_is_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # as if not installed
+    with pytest.raises(SystemExit, match="^grpo: error: openai/gsm8k is not a JSONL file: a hub dataset or a "
+                                         "directory needs `pip install datasets`$"):
+        grpo.load_data(grpo.parse_args(["--dataset", "openai/gsm8k"]))
 
 
 def test_eval_dataset_and_max_samples(tmp_path):
@@ -801,27 +876,43 @@ def pool_lines(prompts, n=2, reward="1.0"):
                         "abc"}) for p in prompts for i in range(n)]
 
 
+def long_lines(prompts):
+    """Teacher completions of 11, 12 and 20 bytes: tiny's tokenizer has one token a byte, so 12, 13 and 21 tokens
+    with the EOS; T = 12 holds the first exactly. An untrained prompt's long completion does not count."""
+    return [json.dumps({"prompt": p, "completion": c * n, "reward": 1.0})
+            for p in prompts for c, n in (("x", 11), ("y", 12), ("z", 20))] + \
+        [json.dumps({"prompt": "untrained", "completion": "w" * 40, "reward": 1.0})]
+
+
 @pytest.mark.parametrize("case, says", [
-    ("missing", "pool.jsonl:1: each line needs a prompt, a completion and a finite reward"),
-    ("nan", "pool.jsonl:1: each line needs .* finite reward"),
-    ("bad", "pool.jsonl:1: each line needs .* finite reward"),
+    ("missing", "pool.jsonl:1: each line needs a prompt, a completion and a reward, a number finite in float32"),
+    ("nan", "pool.jsonl:1: each line needs .* finite in float32"),
+    ("bad", "pool.jsonl:1: each line needs .* finite in float32"),
+    ("1e308", "pool.jsonl:1: each line needs .* finite in float32"),  # finite in Python: inf in the step
+    ("10**400", "pool.jsonl:1: each line needs .* finite in float32"),  # an int that no float holds
+    ("long", "^grpo: error: --teacher-pool: 6 completions are longer than --max-new-tokens 12 tokens with their "
+             "EOS .the longest: 21.: raise --max-new-tokens, or drop them$"),
     ("absent", "1 training prompts have fewer than --teacher-per-group 3 completions in the pool, e.g. 'p3'"),
     ("short", "3 training prompts have fewer than --teacher-per-group 3 .* e.g. 'p1'.* lower --teacher-per-group"),
     ("prompt list", "pool.jsonl:1: each line needs a prompt"),
     ("completion null", "pool.jsonl:1: each line needs a prompt, a completion"),
 ])
-def test_bad_pool_is_a_clear_error_before_training(tmp_path, case, says):
+def test_bad_pool_is_a_clear_error_before_training(tiny_dir, tmp_path, case, says):
+    """Teacher completions are tokenized as the policy would emit them (text + EOS): one over T would be cut and
+    keep the reward of its whole text, so the pool is refused, saying how many and the longest."""
     prompts = ["p1", "p2", "p3"]
     data = write(tmp_path / "data.jsonl", [json.dumps({"prompt": p, "answer": "1"}) for p in prompts])
     lines = {"missing": ['{"prompt": "p1", "completion": "x"}'], "nan": pool_lines(prompts, reward="nan"),
              "bad": pool_lines(prompts, reward="bad"), "absent": pool_lines(prompts[:2], n=3),
-             "short": pool_lines(prompts, n=2),
+             "short": pool_lines(prompts, n=2), "1e308": pool_lines(prompts, reward="1e308"),
+             "10**400": ['{"prompt": "p1", "completion": "x", "reward": 1' + "0" * 400 + '}'], "long": long_lines(prompts),
              "prompt list": ['{"prompt": ["p1"], "completion": "x", "reward": 1}'],
              "completion null": ['{"prompt": "p1", "completion": null, "reward": 1}']}[case]
     pool = write(tmp_path / "pool.jsonl", lines)
     with pytest.raises(SystemExit, match=says):
-        grpo.main(["--dataset", data, "--teacher-pool", pool, "--teacher-per-group", "3", "--model", "no-such/model",
-                   "--output-dir", str(tmp_path / "out")])
+        main(["--dataset", data, "--teacher-pool", pool, "--teacher-per-group", "3", "--model", tiny_dir,
+              "--max-new-tokens", "12", "--output-dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_tokenizer_learnt_from_a_corpus_merges_words_and_splits_numbers_into_digits():
@@ -1128,27 +1219,28 @@ def test_skipping_the_reset_between_passes_double_counts_g_s(loaded):
     assert not all(torch.allclose(n, f, atol=1e-7) for n, f in zip(naive, full))
 
 
-def test_teacher_rewards_come_from_the_pool_and_share_the_group_advantage(loaded):
+def test_teacher_rewards_come_from_the_pool_and_share_the_group_advantage(loaded, tmp_path):
+    """Teacher rows: the pool's reward as it is (the overlong penalty shapes only the sampled rows' rewards), their
+    tokens the text + EOS, never truncated; one group-relative advantage over G_s + G_t."""
     a, model, tok = loaded
     data = grpo.arithmetic_task(100, 0)
-    pool = {ex["prompt"]: [("<think>t</think><answer>1</answer>", 1.0), ("I give up", 0.25)] for ex in data}
-    a = replace(a, prompts_per_step=2, num_generations=2, teacher_per_group=2, teacher_pool="x", scale="none")
-    groups, _ = rollout(a, model, tok, stub_reward(lambda i: float(i % 2) * 0.5), pool)
+    pool = write(tmp_path / "pool.jsonl", [json.dumps({"prompt": ex["prompt"], "completion": c, "reward": r})
+                                           for ex in data for c, r in (("<think>t</think><answer>1</answer>", 1.0),
+                                                                        ("I give up", 0.25))])
+    a = replace(a, prompts_per_step=2, num_generations=2, teacher_per_group=2, teacher_pool=pool, scale="none",
+                max_new_tokens=40, overlong_penalty=True, overlong_buffer=30)  # penalty from 11 tokens on
+    groups, _ = rollout(a, model, tok, stub_reward(lambda i: float(i % 2) * 0.5), grpo.load_teacher_pool(a, data, tok))
     for g in groups:
         assert g["is_teacher"] == [False, False, True, True]
         assert sorted(g["rewards"][2:].tolist()) == [0.25, 1.0]  # frozen, from the pool, not rescored
         r = g["rewards"].tolist()
-        assert r[:2] == [0.0, 0.5]
-        mean = (0.0 + 0.5 + 0.25 + 1.0) / 4  # one group-relative advantage over G_s + G_t
+        penalty = [-max(0, len(c) - 10) / 30 for c in g["completions"][:2]]  # DAPO's, by hand
+        assert r[:2] == pytest.approx([0.0 + penalty[0], 0.5 + penalty[1]])
+        mean = sum(r) / 4  # one group-relative advantage over G_s + G_t
         assert g["adv"].tolist() == pytest.approx([x - mean for x in r])
         text = dict((t, c) for t, c in zip(g["texts"], g["completions"]))["I give up"]
         assert text.tolist() == tok("I give up", add_special_tokens=False).input_ids + [tok.eos_token_id]
-        assert not g["truncated"][g["texts"].index("I give up")]
-    long = "<think>" + "9" * 40 + "</think>"  # a teacher completion cut at T = 12 tokens, then truncated
-    pool = {ex["prompt"]: [(long, 1.0)] for ex in data}
-    groups, _ = rollout(replace(a, teacher_per_group=1), model, tok, stub_reward(lambda i: float(i % 2)), pool)
-    assert groups[0]["completions"][-1].tolist() == tok(long, add_special_tokens=False).input_ids[:12]
-    assert groups[0]["truncated"][-1] is True
+        assert g["truncated"][2:] == [False, False]
 
 
 def test_a_step_that_trains_nothing_logs_no_entropy(loaded):
@@ -1473,7 +1565,7 @@ def mixed_files(tmp_path, n_prompts=4, relative=False):
     path = write(tmp_path / "data.jsonl", [json.dumps(d) for d in data])
     pool = write(tmp_path / "pool.jsonl", [json.dumps({"prompt": d["prompt"], "completion": c, "reward": r})
                                            for d in data for c, r in ((f"\\boxed{{{d['answer']}}}", 1.0),
-                                                                      ("I do not know.", 0.0), ("\\boxed{7}", 0.0))])
+                                                                      ("No idea.", 0.0), ("\\boxed{7}", 0.0))])
     if relative:
         return ["--dataset", "data.jsonl", "--teacher-pool", "pool.jsonl"]
     return ["--dataset", path, "--teacher-pool", pool]
@@ -1483,11 +1575,17 @@ def mixed_files(tmp_path, n_prompts=4, relative=False):
 def test_mixed_pool_run_with_split_grads(tiny_dir, tmp_path, extra):
     out = str(tmp_path / "out")
     main(["--algo", "drgrpo", "--model", tiny_dir, "--max-steps", "2", "--output-dir", out, "--teacher-per-group",
-          "2", "--split-grads"] + TINY + extra + mixed_files(tmp_path) + reward_file(tmp_path))
+          "2", "--split-grads", "--log-samples", "2"] + TINY + extra + mixed_files(tmp_path) + reward_file(tmp_path))
+    samples = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
     for m in metrics(out):
         ns, nt, cos = m["grad/norm_student"], m["grad/norm_teacher"], m["grad/cos_student_teacher"]
         assert m["grad/norm"] ** 2 == pytest.approx(ns ** 2 + nt ** 2 + 2 * ns * nt * cos, rel=1e-3)
         assert ns > 0 and nt > 0 and -1 <= cos <= 1
+        rows = [r for r in samples if r["step"] == m["step"]]  # every completion of the step's B = 2 groups
+        assert len(rows) == 2 * (4 + 2)
+        for key, part in (("reward/mean", rows), ("reward/mean_student", [r for r in rows if not r["teacher"]]),
+                          ("reward/mean_teacher", [r for r in rows if r["teacher"]])):  # reward/mean: both sources
+            assert m[key] == pytest.approx(sum(r["reward"] for r in part) / len(part), abs=1e-6), key
 
 
 def test_samples_log_first_group_and_sampled_eval(tiny_dir, tmp_path, capsys):
@@ -1516,10 +1614,37 @@ def test_samples_log_first_group_and_sampled_eval(tiny_dir, tmp_path, capsys):
     assert [r["step"] for r in with_eval if "eval/accuracy" in r] == [0, 2]  # before training, and the last step
     for r in (with_eval[0], with_eval[-1]):
         assert 0 <= r["eval/mean@3"] <= r["eval/pass@2"] <= r["eval/pass@3"] <= 1
+    assert not any("reward/mean_teacher" in r or "reward/mean_student" in r for r in with_eval)  # no pool
     plain, _ = go("b", ["--eval-every", "5"])
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(TIMING + ("eval/",))}  # noqa: E731
                           for r in rows]
     assert strip(metrics(out)) == strip(metrics(plain))
+
+
+def test_a_run_in_which_nothing_trains_says_so_once(tiny_dir, tmp_path, capsys):
+    """Equal rewards in every group (no advantage): after 5 such steps in a row, one note saying so, and never again.
+    Here steps 5 and 11 alone have unequal rewards (2 calls at start-up, then B x G = 8 a step): steps 6-10 make
+    five in a row, and 12-16 would make five again."""
+    body = "n = 0\ndef r(c, a, **kw):\n    global n\n    n += 1\n    return float((34 < n <= 42 or 82 < n <= 90) " \
+           "and n % 2)\n"
+    main(["--model", tiny_dir, "--output-dir", str(tmp_path / "out"), "--max-steps", "16"] + TINY
+         + ["--eval-every", "0"] + reward_file(tmp_path, body)[:2])
+    notes = [line for line in capsys.readouterr().err.splitlines() if "nothing trains" in line]
+    assert notes == ["grpo: note: equal rewards in every group at steps 6-10, so nothing trains: try a denser "
+                     "reward, a stronger model or easier prompts (--log-samples 1 shows them)"]
+    equal = [r["groups/equal_frac"] for r in metrics(str(tmp_path / "out"))]
+    assert equal == [1.0] * 4 + [0.0] + [1.0] * 5 + [0.0] + [1.0] * 5
+
+
+def test_tiny_py_builds_a_model_from_the_command_line(tmp_path, monkeypatch, capsys):
+    import runpy
+    monkeypatch.setattr(sys, "argv", ["tiny.py", str(tmp_path / "m")])
+    runpy.run_path(os.path.join(HERE, "tiny.py"), run_name="__main__")
+    a = grpo.parse_args(["--model", str(tmp_path / "m")])
+    assert grpo.load_model(a, torch.device("cpu"))[0].config.num_hidden_layers == 2
+    monkeypatch.setattr(sys, "argv", ["tiny.py"])
+    with pytest.raises(SystemExit, match="^usage: python tiny.py DIR"):
+        runpy.run_path(os.path.join(HERE, "tiny.py"), run_name="__main__")
 
 
 def test_warmup_raises_the_learning_rate_linearly_then_holds(tiny_dir, tmp_path):

@@ -110,6 +110,11 @@ def ddp_updates(model_dir, out):
         torch.distributed.destroy_process_group()
 
 
-if __name__ == "__main__":  # python tiny.py MODEL_DIR OUT.pt, or under torchrun
+if __name__ == "__main__":
     import sys
-    ddp_updates(sys.argv[1], sys.argv[2])
+    if len(sys.argv) == 2:  # python tiny.py DIR: a tiny random model to try grpo.py on (--model DIR)
+        print(f"a tiny random Qwen2 and its tokenizer in {make_tiny(sys.argv[1])}")
+    elif len(sys.argv) == 3:  # the two-process test: python tiny.py MODEL_DIR OUT.pt, or under torchrun
+        ddp_updates(sys.argv[1], sys.argv[2])
+    else:
+        sys.exit("usage: python tiny.py DIR    (builds a tiny random Qwen2 and its tokenizer in DIR)")

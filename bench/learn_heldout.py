@@ -154,7 +154,7 @@ def trl_child(loss, seed, model_dir, train_path, eval_path, result):
     set_seed(seed)  # before the model and its LoRA are built: a rerun repeats
     a = grpo.parse_args(["--model", model_dir, "--seed", str(seed)] + RL)
     model, tok, _ = grpo.load_model(a, torch.device("cpu"))  # the same model and tokenizer, loaded the same way
-    train, evals = (grpo.load_examples(p, True) for p in (train_path, eval_path))
+    train, evals = (grpo.load_examples(p, "train", True) for p in (train_path, eval_path))
     rows = [{"prompt": [{"role": "system", "content": a.system_prompt}, {"role": "user", "content": ex["prompt"]}],
              "answer": ex["answer"]} for ex in train]
     score = R.correct if loss == "dr_grpo" else R.correct_pm1
