@@ -7,14 +7,11 @@
 
 One step: B prompts -> G sampled completions each -> rewards -> group-relative advantages -> clipped
 token loss -> one optimizer step (num_iterations of them). A preset only sets defaults:
-  grpo         GRPO, DeepSeekMath (2402.03300) §4.1: A = (R - mean) / std over the group; each
-               sequence's loss averaged over its tokens, then over sequences; k3 KL, beta 0.04.
-  drgrpo       Dr. GRPO (2503.20783) §3.1: no / std (difficulty bias) and no 1/|o_i| (length bias):
-               token sums divided by a constant, n_seq * T. No KL.
-  dapo         DAPO (2503.14476) §3: clip-higher (eps_high 0.28), dynamic sampling, token-mean loss,
-               soft overlong punishment, +1/-1 correctness reward. No KL.
-  drgrpo_soft  Dr. GRPO+ soft reweighting (no paper): Dr. GRPO advantages times std_g / max_g' std_g' (a
-               soft form of RAGEN's variance filter, 2504.20073 §4); token sums averaged over sequences.
+  grpo         GRPO (2402.03300) §4.1: A = (R - mean) / std; sequence token means, averaged; k3 KL 0.04
+  drgrpo       Dr. GRPO (2503.20783) §3.1: no / std, no 1 / |o_i|: token sums / (n_seq T); no KL
+  dapo         DAPO (2503.14476) §3: clip-higher 0.28, dynamic sampling, token-mean, overlong penalty, ±1
+  drgrpo_soft  Dr. GRPO+ soft (no paper): Dr. GRPO's A times std_g / max std_g' (RAGEN's filter made
+               soft, 2504.20073 §4); sequence token sums, averaged
 Newer losses, each a flag at the one loss site (policy_loss): --ratio sequence (GSPO, 2507.18071),
 --surrogate cispo (MiniMax-M1, 2506.13585) | sapo (2511.20347), --dual-clip (1912.09729); KL: --kl.
 Mixed pool (--teacher-pool): G_s samples and G_t cached teacher completions with frozen rewards in one
@@ -294,9 +291,10 @@ def read_records(source: str, split: str) -> list[tuple[str, dict]]:
         if "@" in source:
             source, _, split = source.partition("@")
         name, _, config = source.partition(":")
-        if importlib.util.find_spec("datasets") is None:
+        try:
+            from datasets import get_dataset_config_names, load_dataset
+        except ImportError:
             fail(f"{source} is not a JSONL file: a hub dataset or a directory needs `pip install datasets`")
-        from datasets import get_dataset_config_names, load_dataset
         try:
             rows = load_dataset(name, config or get_dataset_config_names(name)[0], split=split)
         except Exception as e:  # not found, offline, no such config or split: what `datasets` says, one line
