@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-import rewards as R
+from rewards import REWARDS, is_correct, overlong_penalty, reference_answer  # rewards.py (R: the reward)
 
 
 def dash(name: str) -> str:
@@ -309,7 +309,7 @@ def load_examples(source: str, split: str, graded: bool, reward_fns=()) -> list[
     out = []
     for where, rec in read_records(source, split):
         prompt = rec.get("question", rec.get("prompt"))
-        answer = R.reference_answer(str(rec.get("answer")))  # graded: it is read, so not empty, not '####'
+        answer = reference_answer(str(rec.get("answer")))  # graded: it is read, so not empty, not '####'
         bad = type(rec.get("answer")) not in (str, int, float) or graded and (not answer or "####" in answer)
         if not isinstance(prompt, str) or not prompt.strip() or bad:
             fail(f"{where}: each line needs a prompt (or GSM8K's question) and an answer (a string or a "
@@ -499,12 +499,12 @@ def build_rewards(a: Args) -> list[tuple[str, object, float]]:
     fns = []
     for part in filter(None, a.rewards.split(",")):
         name, _, weight = [s.strip() for s in part.partition(":")]
-        if name not in R.REWARDS:
-            fail(f"--rewards: unknown reward {name!r}; built-ins are {', '.join(R.REWARDS)}")
+        if name not in REWARDS:
+            fail(f"--rewards: unknown reward {name!r}; built-ins are {', '.join(REWARDS)}")
         try:
-            fns.append((name, R.REWARDS[name], float(weight or 1)))
+            fns.append((name, REWARDS[name], float(weight or 1)))
         except ValueError:
-            fns.append((name, R.REWARDS[name], math.nan))
+            fns.append((name, REWARDS[name], math.nan))
         if not math.isfinite(fns[-1][2]):
             fail(f"--rewards: weight {weight!r} of {name!r} is not a finite number")
     if a.reward_fn:
@@ -535,7 +535,7 @@ def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns
         per_fn[name] = torch.tensor([float(v) for v in values])
         total += weight * per_fn[name]
     if a.overlong_penalty:  # DAPO §3.4, L_max = T
-        total += torch.tensor([R.overlong_penalty(n, a.max_new_tokens, a.overlong_buffer) for n in lengths])
+        total += torch.tensor([overlong_penalty(n, a.max_new_tokens, a.overlong_buffer) for n in lengths])
     return total, per_fn
 
 def group_advantages(rewards: torch.Tensor, scale: str = "std", eps: float = 1e-6) -> torch.Tensor:
@@ -887,7 +887,7 @@ def evaluate(model, tok, examples: list[dict], a: Args, rank: int = 0, world: in
             comps = generate(model, tok, texts, n, a, sampler=sampler, **kw)[1]
             texts = tok.batch_decode(comps, skip_special_tokens=True)
             for j, ex in enumerate(chunk):
-                counts.append(sum(R.is_correct(t, ex["answer"]) for t in texts[j * n:(j + 1) * n]))
+                counts.append(sum(is_correct(t, ex["answer"]) for t in texts[j * n:(j + 1) * n]))
         return sum(all_gather(counts), [])
     k = a.eval_samples
     with torch.random.fork_rng([model.device] if model.device.type == "cuda" else []):
@@ -953,7 +953,7 @@ def sample_rows(groups: list[dict], step: int) -> list[dict]:
              "rewards": None if teacher else {k: v[i].item() for k, v in g["per_fn"].items()},
              "reward": g["rewards"][i].item(), "adv": g["adv"][i].item() if "adv" in g else None,
              "length": len(g["completions"][i]), "truncated": bool(g["truncated"][i]),
-             "correct": R.is_correct(text, g["answer"])}
+             "correct": is_correct(text, g["answer"])}
             for g in groups for i, (text, teacher) in enumerate(zip(g["texts"], g["is_teacher"]))]
 
 def on_signal(run):
