@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from rewards import REWARDS, is_correct, overlong_penalty, reference_answer  # rewards.py (R: the reward)
+from rewards import REWARDS, is_correct, overlong_penalty, reference_answer
 
 
 def dash(name: str) -> str:
