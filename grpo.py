@@ -566,28 +566,32 @@ def all_gather(obj) -> list:  # [every rank's obj]
     return out
 
 def rollout(model, tok, stream, reward_fns, pool, a: Args, sampler=None, rank=0, world=1):
-    """One step's groups, in three steps: sampled and scored, filtered, then the advantage, once for the
-    step's (B, G) rewards. Returns this rank's kept groups, the step's metrics and every group sampled."""
+    """One step's groups, in three steps: sampled and scored, filtered (every rank's together, as one
+    process would), then the advantage, once for the step's (B, G) rewards. Returns this rank's kept
+    groups, the step's metrics and every group sampled."""
     kept, generated, stats = sample_groups(model, tok, stream, reward_fns, pool, a, sampler, rank, world)
-    kept = kept[:max(0, a.prompts_per_step - sum(all_gather(len(kept))[:rank]))]  # B, lower ranks first
-    everyone = all_gather([g["rewards"].tolist() for g in kept])  # the filters see every rank's groups
-    first = sum(len(groups) for groups in everyone[:rank])  # this rank's first group in the step's
-    rewards = torch.tensor(sum(everyone, [])).view(-1, a.num_generations + a.teacher_per_group)  # (B, G)
-    keep = torch.arange(len(rewards))
+    # the filters see every rank's groups: the first B kept, in the order one process would sample them
+    everyone = sorted(sum(all_gather([(g["order"], g["rewards"].tolist()) for g in kept]), []))
+    everyone = everyone[:a.prompts_per_step]
+    G = a.num_generations + a.teacher_per_group
+    rewards = torch.tensor([r for _, r in everyone]).view(-1, G)  # (B, G)
     if a.top_k_groups:  # the hard variance filter (RAGEN, 2504.20073 §4): the k groups of largest std
         keep = torch.argsort(rewards.std(1), descending=True, stable=True)[:a.top_k_groups].sort().values
-    rewards = rewards[keep]
+        everyone = [everyone[i] for i in keep.tolist()]
+        rewards = rewards[keep]
     adv = group_advantages(rewards, a.scale, a.std_eps)  # (B, G): a statistic over the batch is a line here
     if a.soft_reweight:
         w = soft_weights(rewards.std(1), a.std_eps)  # (B,)
         adv = adv * w[:, None]
         stats.update({"adv/soft_weight_min": w.min().item(), "adv/soft_weight_mean": w.mean().item(),
                       "adv/soft_weight_max": w.max().item()})
-    mine = [(i - first, row) for row, i in enumerate(keep.tolist()) if first <= i < first + len(kept)]
-    for i, row in mine:
-        kept[i]["adv"] = adv[row]
-    stats["groups/kept"] = len(keep)
-    return [kept[i] for i, _ in mine], stats, generated
+    mine = {g["order"]: g for g in kept}
+    groups = [mine[order] for order, _ in everyone if order in mine]  # this rank's
+    for (order, _), group_adv in zip(everyone, adv):
+        if order in mine:
+            mine[order]["adv"] = group_adv
+    stats["groups/kept"] = len(everyone)
+    return groups, stats, generated
 
 def sample_groups(model, tok, stream, reward_fns, pool, a: Args, sampler, rank: int, world: int):
     """Sampling rounds: this rank's share of B prompts, G_s samples each and G_t teacher completions, scored.
@@ -610,6 +614,7 @@ def sample_groups(model, tok, stream, reward_fns, pool, a: Args, sampler, rank: 
             picks = random.sample(pool[ex["prompt"]], a.teacher_per_group) if pool else []
             generated.append(dict(
                 prompt=ex["prompt"], answer=ex["answer"], prompt_ids=prompts[i],
+                order=(rounds - 1) * a.prompts_per_step + rank + i * world,  # in the step's prompts
                 completions=comps[rows] + [ids for _, ids, _ in picks],
                 texts=texts[rows] + [text for text, _, _ in picks],
                 truncated=truncated[rows] + [False] * len(picks),
