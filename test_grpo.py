@@ -1637,6 +1637,8 @@ def test_a_damaged_checkpoint_is_named_in_one_line_and_a_whole_old_one_is_used(t
         with pytest.raises(SystemExit, match=f"^grpo: error: --resume: {ckpt}/{name} is missing or cut, and no "
                                              f"other checkpoint is whole: restore it$"):
             grpo.parse_args(["--output-dir", out, "--resume", "--max-steps", "2"])
+        with pytest.raises(SystemExit, match="holds a run: --resume continues it, --overwrite starts over"):
+            main(["--model", tiny_dir, "--output-dir", out] + TINY)  # nor is it overwritten unasked
         shutil.copy(tmp_path / "whole" / name, ckpt)
     shutil.copytree(ckpt, out + "/checkpoint.old")
     os.remove(ckpt + "/adapter_model.safetensors")
@@ -1835,19 +1837,37 @@ def test_two_processes_give_the_one_process_update(tiny_dir, tmp_path):
             assert two[config]["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-6), (config, k)
 
 
+TWO_RANKS_REWARD = """import atexit, os, shutil, sys, time
+def r(c, a, **kw):
+    if os.path.exists({slow!r}):  # a slow judge: a rollout lasts seconds
+        time.sleep(0.5)
+    return sum(ch.isdigit() for ch in c) / 10
+if {straight!r} in sys.argv and os.environ["RANK"] == "0":  # a slow disk: rank 0's saves take 2 s
+    save = sys.modules["__main__"].save
+    def slow_save(*args):
+        time.sleep(2)
+        save(*args)
+    sys.modules["__main__"].save = slow_save
+if {straight!r} in sys.argv and os.environ["RANK"] == "1":  # rank 1 copies the checkpoint's step as it leaves
+    atexit.register(shutil.copy, {straight!r} + "/checkpoint/grpo_args.json", {left!r})
+"""
+
+
 def test_two_processes_mixed_pool_refill_sigterm_and_resume(tiny_dir, tmp_path):
-    """2 ranks, DAPO's refill in mixed-pool mode: one metrics file and checkpoint (rank 0). SIGTERM to torchrun
+    """2 ranks, DAPO's refill in mixed-pool mode: one metrics file and checkpoint (rank 0). The ranks leave
+    together: rank 1 waits for rank 0's last save (one that leaves sooner may die at exit). SIGTERM to torchrun
     (which forwards it to every rank and kills them 30 s later) during a rollout: rank 0 saves the last completed
     step at once, and --resume from it to step 3 gives the straight 3-step run, bit for bit (each rank's random
     states and teacher draws restored)."""
-    slow = tmp_path / "slow"  # while it exists the judge takes 0.5 s a call: a rollout lasts seconds
-    (tmp_path / "rw.py").write_text(f"import os, time\ndef r(c, a, **kw):\n    if os.path.exists({str(slow)!r}):\n"
-                                    "        time.sleep(0.5)\n    return sum(ch.isdigit() for ch in c) / 10\n")
+    slow = tmp_path / "slow"  # while it exists the judge takes 0.5 s a call
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    left = tmp_path / "left.json"
+    (tmp_path / "rw.py").write_text(TWO_RANKS_REWARD.format(slow=str(slow), straight=straight, left=str(left)))
     args = [os.path.join(HERE, "grpo.py"), "--algo", "dapo", "--model", tiny_dir, "--teacher-per-group", "2",
             "--split-grads", "--max-gen-rounds", "2", "--max-steps", "3", "--reward-fn", f"{tmp_path}/rw.py:r",
             "--rewards", "correct"] + TINY + mixed_files(tmp_path)
-    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     subprocess.run(TORCHRUN + args + ["--output-dir", straight], cwd=HERE, check=True, capture_output=True)
+    assert left.exists() and json.loads(left.read_text())["step"] == 3, "rank 1 left before rank 0's last save"
     rows = metrics(straight)
     assert [r["step"] for r in rows] == [1, 2, 3]  # one file, written by rank 0 alone
     assert all(r["groups/kept"] <= 2 and "grad/cos_student_teacher" in r for r in rows if r["groups/kept"])
