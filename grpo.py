@@ -873,13 +873,13 @@ def resume_checkpoint(output_dir: str) -> str:  # the last whole checkpoint; a d
     return ckpt
 
 def fingerprint(path: str, span: int = 1 << 26):
-    """What --resume compares: a file's size and CRC-32 of its first and last `span` bytes (data: whole),
-    a model directory's config.json's and weights' (64 KiB ends: other weights differ there), a hub id."""
+    """What --resume compares: a file's size and CRC-32 of its first and last `span` bytes (a data file whole,
+    to 128 MiB), a model dir's config.json and weights by their 64 KiB ends (other weights differ there)."""
     if os.path.isdir(path):
         return [fingerprint(os.path.join(path, name), 1 << 16) for name in sorted(os.listdir(path))
                 if name == "config.json" or name.endswith((".safetensors", ".bin"))]
     if not os.path.isfile(path):
-        return path
+        return path  # a hub id, or ''
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         head = f.read(span)
@@ -887,7 +887,7 @@ def fingerprint(path: str, span: int = 1 << 26):
         return zlib.crc32(b"%d %b %b" % (size, head, f.read()))
 
 def save(model, tok, a: Args, state: dict):
-    """checkpoint/: weights, tokenizer, grpo_args.json (flags, step), trainer_state.pt (state), written to
+    """checkpoint/: weights, tokenizer, grpo_args.json (flags, step, ...), trainer_state.pt, written to
     checkpoint.tmp/ and swapped in by two renames: at every instant checkpoint/ or .old/ is whole."""
     if not all(p.isfinite().all() for p in model.parameters() if p.requires_grad):
         fail(f"the weights are not finite at step {state['step']}: nothing saved over the last checkpoint")
@@ -898,10 +898,9 @@ def save(model, tok, a: Args, state: dict):
         tok.save_pretrained(final + ".tmp")
         torch.save(state, os.path.join(final + ".tmp", "trainer_state.pt"))
         sizes = {entry.name: entry.stat().st_size for entry in os.scandir(final + ".tmp")}  # see damaged()
-        saved = {**dataclasses.asdict(a), "step": state["step"], "sizes": sizes}
-        saved["files"] = {name: fingerprint(getattr(a, name).split(":")[0]) for name in PATHS}
+        files = {name: fingerprint(getattr(a, name).split(":")[0]) for name in PATHS}  # see fingerprint()
         with open(os.path.join(final + ".tmp", "grpo_args.json"), "w") as f:
-            json.dump(saved, f, indent=1)
+            json.dump({**vars(a), "step": state["step"], "sizes": sizes, "files": files}, f, indent=1)
     except (OSError, RuntimeError) as e:  # a full disk, say (torch.save's is a RuntimeError)
         shutil.rmtree(final + ".tmp", ignore_errors=True)
         fail(f"saving step {state['step']} failed ({e}); last checkpoint: {last_checkpoint(a.output_dir)}")
