@@ -897,7 +897,7 @@ def save(model, tok, a: Args, state: dict):
         model.save_pretrained(final + ".tmp")
         tok.save_pretrained(final + ".tmp")
         torch.save(state, os.path.join(final + ".tmp", "trainer_state.pt"))
-        sizes = {entry.name: entry.stat().st_size for entry in os.scandir(final + ".tmp")}  # see damaged()
+        sizes = {e.name: e.stat().st_size for e in os.scandir(final + ".tmp") if e.name != "README.md"}
         files = {name: fingerprint(getattr(a, name).split(":")[0]) for name in PATHS}  # see fingerprint()
         with open(os.path.join(final + ".tmp", "grpo_args.json"), "w") as f:
             json.dump({**vars(a), "step": state["step"], "sizes": sizes, "files": files}, f, indent=1)
@@ -943,12 +943,11 @@ def on_signal(run):
 
 def check_output_dir(a: Args):  # before anything loads
     out = pathlib.Path(a.output_dir).resolve()
-    replaced = ("checkpoint", "checkpoint.old", "checkpoint.tmp")  # by the saves of the run in the parent
-    for path in (out, *out.parents):
-        if path.is_file():
-            fail(f"--output-dir {a.output_dir!r} cannot be made: {str(path)!r} is a file")
-        if path.name in replaced and (path.parent / ".lock").exists():
-            fail(f"--output-dir {a.output_dir!r} is inside a checkpoint of the run in {str(path.parent)!r}, "
+    for up in (out, *out.parents):  # (a run's saves replace its checkpoint dirs, beside its .lock)
+        if up.is_file():
+            fail(f"--output-dir {a.output_dir!r} cannot be made: {str(up)!r} is a file")
+        if up.name in ("checkpoint", "checkpoint.old", "checkpoint.tmp") and (up.parent / ".lock").exists():
+            fail(f"--output-dir {a.output_dir!r} is inside a checkpoint of the run in {str(up.parent)!r}, "
                  f"which its next save deletes")
 
 def start(a: Args):
