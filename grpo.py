@@ -29,6 +29,7 @@ import json
 import math
 import numbers
 import os
+import pathlib
 import random
 import runpy
 import shutil
@@ -150,12 +151,12 @@ def parse_args(argv=None) -> Args:
                             choices=f.metadata["choices"] or None, **kind)
     given = vars(parser.parse_args(argv))
     defaults = PRESETS[given.get("algo", Args.algo)]  # a preset is defaults; an explicit flag wins
+    saved = {}  # the checkpoint's grpo_args.json, on --resume
     if given.get("resume"):  # the saved run's flags are the defaults
         out = given.get("output_dir", Args.output_dir)
-        if last_checkpoint(out) is None:  # (a run that stopped before its first save leaves none)
-            fail(f"--resume: no checkpoint in {out!r}")
-        with open(os.path.join(last_checkpoint(out), "grpo_args.json")) as f:
-            defaults = {k: v for k, v in json.load(f).items() if k in Args.__dataclass_fields__}
+        with open(os.path.join(resume_checkpoint(out), "grpo_args.json")) as f:
+            saved = json.load(f)
+        defaults = {k: v for k, v in saved.items() if k in Args.__dataclass_fields__}
         for k, v in given.items():
             if k not in RESUMABLE and defaults[k] != v:
                 fail(f"--resume: {dash(k)} is {v!r} here but {defaults[k]!r} in the saved run: drop the flag "
@@ -169,6 +170,11 @@ def parse_args(argv=None) -> Args:
         path = getattr(a, name).split(":")[0].split("@")[0]  # PATH.py:FUNCTION, DIR[:CONFIG][@SPLIT]
         if path and os.path.exists(path):
             setattr(a, name, os.path.abspath(path) + getattr(a, name)[len(path):])
+        if name in saved.get("files", {}) and saved["files"][name] != fingerprint(path):  # paths may move
+            if name == "model":
+                fail(f"--resume: --model {a.model!r} is not the model the run started from (its config or "
+                     f"weights differ): give that model, or start a new run")
+            print(f"grpo: note: the {dash(name)} file has changed since the run was saved", file=sys.stderr)
     check_args(a)
     return a
 
@@ -371,18 +377,18 @@ def load_model(a: Args, device: torch.device, resume: str | None = None):
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, GenerationConfig
     # LoRA: bf16 base weights when bf16 is on; full fine-tuning keeps fp32 weights, in bf16 autocast
     dtype = torch.bfloat16 if use_bf16(a, device) and a.lora_r > 0 else torch.float32
-    try:
-        tok = AutoTokenizer.from_pretrained(a.model)
-    except (OSError, ValueError) as e:  # not a local directory, and not on the hub (or no network)
-        fail(f"--model {a.model!r}: {str(e).splitlines()[0]}")
-    tok.padding_side = "left"  # batched generation appends to the right end of every row
-    tok.pad_token = tok.pad_token or tok.eos_token  # safe: completions are masked by position, not by id
     kw = dict(dtype=dtype, device_map={"": device})
     if a.load_in_4bit:
         kw["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                                        bnb_4bit_use_double_quant=True,
                                                        bnb_4bit_compute_dtype=dtype)
-    model = AutoModelForCausalLM.from_pretrained(resume if resume and a.lora_r == 0 else a.model, **kw)
+    try:
+        tok = AutoTokenizer.from_pretrained(a.model)
+        model = AutoModelForCausalLM.from_pretrained(resume if resume and a.lora_r == 0 else a.model, **kw)
+    except (OSError, ValueError) as e:  # no weights in the directory; not on the hub (or no network)
+        fail(f"--model {a.model!r}: {str(e).splitlines()[0]}")
+    tok.padding_side = "left"  # batched generation appends to the right end of every row
+    tok.pad_token = tok.pad_token or tok.eos_token  # safe: completions are masked by position, not by id
     for m in model.modules():  # bitsandbytes on CPU repacks 4-bit weights in eval mode; training then fails
         if hasattr(m, "support_avx512bf16_for_cpu"):
             m.support_avx512bf16_for_cpu = False
@@ -916,12 +922,47 @@ def setup_distributed():
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return dist.get_rank(), dist.get_world_size(), device
 
+def damaged(ckpt: str) -> str | None:  # its first file missing or cut (a copy cut short), by the sizes saved
+    try:
+        with open(os.path.join(ckpt, "grpo_args.json")) as f:
+            sizes = json.load(f).get("sizes", {})
+    except (OSError, ValueError):
+        return "grpo_args.json"
+    now = {entry.name: entry.stat().st_size for entry in os.scandir(ckpt)}
+    return next((name for name in sizes if now.get(name) != sizes[name]), None)
+
 def last_checkpoint(output_dir: str) -> str | None:  # .old: whole when a save was killed between its renames
     paths = [os.path.join(output_dir, "checkpoint"), os.path.join(output_dir, "checkpoint.old")]
-    return next((path for path in paths if os.path.isdir(path)), None)
+    return next((path for path in paths if os.path.isdir(path) and not damaged(path)), None)
+
+def resume_checkpoint(output_dir: str) -> str:  # the last whole checkpoint; a damaged one is named
+    first = os.path.join(output_dir, "checkpoint")
+    bad = [f"{p}/{damaged(p)}" for p in (first, first + ".old") if os.path.isdir(p) and damaged(p)]
+    ckpt = last_checkpoint(output_dir)
+    if ckpt is None and bad:
+        fail(f"--resume: {bad[0]} is missing or cut, and no other checkpoint is whole: restore it")
+    if ckpt is None:  # (a run that stopped before its first save leaves none)
+        fail(f"--resume: no checkpoint in {output_dir!r}")
+    if bad and ckpt != first:
+        print(f"grpo: {bad[0]} is missing or cut: resuming from {ckpt}", file=sys.stderr)
+    return ckpt
+
+def fingerprint(path: str, span: int = 1 << 26):
+    """What --resume compares: a file's size and CRC-32 of its first and last `span` bytes (a data file whole,
+    to 128 MiB), a model dir's config.json and weights by their 64 KiB ends (other weights differ there)."""
+    if os.path.isdir(path):
+        return [fingerprint(os.path.join(path, name), 1 << 16) for name in sorted(os.listdir(path))
+                if name == "config.json" or name.endswith((".safetensors", ".bin"))]
+    if not os.path.isfile(path):
+        return path  # a hub id, or ''
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(span)
+        f.seek(max(span, size - span))
+        return zlib.crc32(b"%d %b %b" % (size, head, f.read()))
 
 def save(model, tok, a: Args, state: dict):
-    """checkpoint/: weights, tokenizer, grpo_args.json (flags, step), trainer_state.pt (state), written to
+    """checkpoint/: weights, tokenizer, grpo_args.json (flags, step, ...), trainer_state.pt, written to
     checkpoint.tmp/ and swapped in by two renames: at every instant checkpoint/ or .old/ is whole."""
     if not all(p.isfinite().all() for p in model.parameters() if p.requires_grad):
         fail(f"the weights are not finite at step {state['step']}: nothing saved over the last checkpoint")
@@ -931,8 +972,10 @@ def save(model, tok, a: Args, state: dict):
         model.save_pretrained(final + ".tmp")
         tok.save_pretrained(final + ".tmp")
         torch.save(state, os.path.join(final + ".tmp", "trainer_state.pt"))
+        sizes = {e.name: e.stat().st_size for e in os.scandir(final + ".tmp") if e.name != "README.md"}
+        files = {name: fingerprint(getattr(a, name).split(":")[0].split("@")[0]) for name in PATHS}
         with open(os.path.join(final + ".tmp", "grpo_args.json"), "w") as f:
-            json.dump({**dataclasses.asdict(a), "step": state["step"]}, f, indent=1)
+            json.dump({**vars(a), "step": state["step"], "sizes": sizes, "files": files}, f, indent=1)
     except (OSError, RuntimeError) as e:  # a full disk, say (torch.save's is a RuntimeError)
         shutil.rmtree(final + ".tmp", ignore_errors=True)
         fail(f"saving step {state['step']} failed ({e}); last checkpoint: {last_checkpoint(a.output_dir)}")
@@ -962,22 +1005,34 @@ def sample_rows(groups: list[dict], step: int) -> list[dict]:
             for g in groups for i, (text, teacher) in enumerate(zip(g["texts"], g["is_teacher"]))]
 
 def on_signal(run):
-    """Ctrl-C or SIGTERM: rank 0 outside an update stops at once (KeyboardInterrupt); else the step ends,
-    is saved and the run stops. Other ranks follow rank 0, or are stopped by torchrun once it has left."""
+    """Ctrl-C, SIGTERM or SIGHUP: rank 0 outside an update stops at once (KeyboardInterrupt); else the step
+    ends, is saved and the run stops; later ones are only noted: nothing breaks a save. Other ranks follow."""
     def handler(sig, frame):
+        if run.stop:
+            return
         run.stop = sig
         if run.rank == 0 and not run.busy:
             raise KeyboardInterrupt  # (not an Exception: a reward's `except Exception` cannot swallow it)
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, handler)
+
+def check_output_dir(a: Args):  # before anything loads
+    out = pathlib.Path(a.output_dir).resolve()
+    for up in (out, *out.parents):  # (a run's saves replace its checkpoint dirs, beside its .lock)
+        if up.is_file():
+            fail(f"--output-dir {a.output_dir!r} cannot be made: {str(up)!r} is a file")
+        if up.name in ("checkpoint", "checkpoint.old", "checkpoint.tmp") and (up.parent / ".lock").exists():
+            fail(f"--output-dir {a.output_dir!r} is inside a checkpoint of the run in {str(up.parent)!r}, "
+                 f"which its next save deletes")
 
 def start(a: Args):
     rank, world, device = setup_distributed()
     if a.prompts_per_step % world:
         fail(f"--prompts-per-step {a.prompts_per_step} must divide over {world} ranks (whole groups a rank)")
     ckpt = last_checkpoint(a.output_dir)
-    if ckpt and not (a.resume or a.overwrite):
+    if (ckpt or os.path.isdir(os.path.join(a.output_dir, "checkpoint"))) and not (a.resume or a.overwrite):
         fail(f"--output-dir {a.output_dir!r} holds a run: --resume continues it, --overwrite starts over")
+    check_output_dir(a)
     state = {"step": 0, "prompts_drawn": 0}
     if a.resume:
         state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
@@ -1017,22 +1072,25 @@ def start(a: Args):
     run.bad_steps = 0  # non-finite steps in a row
     run.done = {"step": state["step"], "prompts_drawn": state["prompts_drawn"]}  # the last completed step
     run.saved = state["step"]  # the step of the last checkpoint
-    if rank == 0:  # every check has passed: only now is the output dir written
-        os.makedirs(a.output_dir, exist_ok=True)
-        run.lock = open(os.path.join(a.output_dir, ".lock"), "w")  # one run per output dir, till it ends
-        try:
-            fcntl.flock(run.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fail(f"--output-dir {a.output_dir!r} is in use by another run: wait for it, or stop it")
-        for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old"):
-            if a.overwrite:
-                shutil.rmtree(os.path.join(a.output_dir, name), ignore_errors=True)
-        run.log = open_log(a, "metrics.jsonl", run.start)
-        run.samples = open_log(a, "samples.jsonl", run.start)  # empty without --log-samples
-        if a.wandb_project:
-            import wandb
-            wandb.init(project=a.wandb_project, config=dataclasses.asdict(a))
+    if rank == 0:
+        open_output(run, a)
     return run
+
+def open_output(run, a: Args):  # rank 0, once every check has passed: only now is the output dir written
+    os.makedirs(a.output_dir, exist_ok=True)
+    run.lock = open(os.path.join(a.output_dir, ".lock"), "w")  # one run per output dir, till it ends
+    try:
+        fcntl.flock(run.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        fail(f"--output-dir {a.output_dir!r} is in use by another run: wait for it, or stop it")
+    for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old"):
+        if a.overwrite:
+            shutil.rmtree(os.path.join(a.output_dir, name), ignore_errors=True)
+    run.log = open_log(a, "metrics.jsonl", run.start)
+    run.samples = open_log(a, "samples.jsonl", run.start)  # empty without --log-samples
+    if a.wandb_project:
+        import wandb
+        wandb.init(project=a.wandb_project, config=dataclasses.asdict(a))
 
 GAP_LIMIT = 0.25  # mean |sampler - trainer| log-prob gap that stops a run (bf16 rounding: a few hundredths)
 FLAT_STEPS = 5  # steps in a row whose groups all had equal rewards (run.flat: nothing trains) before a note
@@ -1077,7 +1135,11 @@ def main(argv=None):
     a = parse_args(argv)
     if a.dry_run:
         return print(describe(a))
-    run = start(a)
+    try:
+        run = start(a)
+    except KeyboardInterrupt:  # Ctrl-C while it starts: nothing to save
+        print("grpo: stopped while starting: nothing saved", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGINT)
     on_signal(run)
     try:
         if a.eval_every and run.evals and run.start == 0:  # where the run starts from, as papers report it
@@ -1085,10 +1147,13 @@ def main(argv=None):
             if run.rank == 0:
                 run.log.write(json.dumps({"step": 0, **m}) + "\n")
         for step in run.bar:
+            run.busy = False  # till the update, a signal stops the run at once
+            if run.stop and run.rank == 0:  # one that came as the last step was saved
+                raise KeyboardInterrupt
             run.t0 = time.time()
             groups, m, generated = rollout(run.model, run.tok, run.stream, run.reward_fns, run.pool, a,
                                            run.sampler, run.rank, run.world)
-            run.busy = True  # from here to the end of the step, a signal waits for the step to end
+            run.busy = True  # from here to the end of the step (or of the run), a signal waits for it
             t1 = time.time()
             m["lr"] = a.learning_rate * min(1, step / max(1, a.warmup_steps))  # linear warm-up, then constant
             for g in run.opt.param_groups:
@@ -1101,17 +1166,18 @@ def main(argv=None):
                 m.update(evaluate(run.model, run.tok, run.evals, a, run.rank, run.world, run.sampler))
             if end_step(run, a, step, m, generated):
                 break
-            run.busy = False
-            if run.stop and run.rank == 0:  # a signal as the step ended: stop now, as outside an update
-                raise KeyboardInterrupt
     except KeyboardInterrupt:  # a signal outside an update: the weights are the last completed step's
         if run.done["step"] > run.saved:
             save(run.model, run.tok, a, {**run.done, "optimizer": run.opt.state_dict()})
     finish(run, a)
 
 def finish(run, a: Args):
+    if run.busy and dist.is_initialized():  # (busy: every rank is at the end of a step, none in a collective)
+        dist.barrier()  # ranks leave together, after rank 0's last save (one leaving sooner may die at exit)
+        dist.destroy_process_group()
+    finished = run.done["step"] == a.max_steps  # (a signal during the last save changes nothing)
     where = f"{a.output_dir}/checkpoint; metrics in {a.output_dir}/metrics.jsonl"
-    if run.rank == 0 and not run.stop:
+    if run.rank == 0 and (finished or not run.stop):
         print(f"grpo: step {run.done['step']} saved in {where}")
     elif run.rank == 0 and run.done["step"]:
         print(f"grpo: stopped at step {run.done['step']}: --resume to continue ({where})")
@@ -1120,10 +1186,8 @@ def finish(run, a: Args):
     if run.rank == 0:  # (closed for a caller that runs main() again in this process)
         for f in (run.lock, run.log, run.samples):
             f.close()
-    if run.stop:
+    if run.stop and not finished:
         raise SystemExit(128 + run.stop)
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -55,8 +56,8 @@ def wide_dir(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def signal_handlers():
-    """grpo.main() installs its own Ctrl-C / SIGTERM handlers: an in-process run must not leave them behind."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    """grpo.main() installs its own Ctrl-C / SIGTERM / SIGHUP handlers: an in-process run must not leave them."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     yield
     for s, handler in saved.items():
         signal.signal(s, handler)
@@ -1723,6 +1724,7 @@ def test_a_diverging_learning_rate_ends_in_one_line(tiny_dir, tmp_path):
     ("rewards weight nan", "--rewards: weight 'nan' of 'correct' is not a finite number"),
     ("wandb missing", "--wandb-project needs `pip install wandb`"),
     ("model missing", "--model '.*no-such-dir'"),
+    ("model without weights", "--model '.*no-weights': .*no file named model.safetensors"),
 ])
 def test_every_input_is_checked_before_anything_is_written(tiny_dir, tmp_path, case, says, monkeypatch):
     out = tmp_path / "out"
@@ -1732,7 +1734,9 @@ def test_every_input_is_checked_before_anything_is_written(tiny_dir, tmp_path, c
              "reward file missing": ["--reward-fn", f"{tmp_path}/nope.py:r"],
              "no such function": ["--reward-fn", f"{tmp_path}/rw.py:nope"],
              "rewards weight nan": ["--rewards", "correct:nan"], "wandb missing": ["--wandb-project", "x"],
-             "model missing": ["--model", str(tmp_path / "no-such-dir")]}[case]
+             "model missing": ["--model", str(tmp_path / "no-such-dir")],
+             "model without weights": ["--model", str(tmp_path / "no-weights")]}[case]
+    shutil.copytree(tiny_dir, tmp_path / "no-weights", ignore=shutil.ignore_patterns("*.safetensors"))
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
     with pytest.raises(SystemExit, match=says):
         main(argv + extra)
@@ -1818,6 +1822,52 @@ def test_resume_from_the_old_checkpoint_and_a_partial_metrics_line(tiny_dir, tmp
     assert [r["step"] for r in metrics(out)] == [1, 2] and not os.path.exists(out + "/checkpoint.old")
 
 
+def test_a_damaged_checkpoint_is_named_in_one_line_and_a_whole_old_one_is_used(tiny_dir, tmp_path, capsys):
+    """A file missing or cut (a copy cut short, a full disk) is found by the sizes grpo_args.json lists, before
+    anything loads (a missing adapter would send peft to the hub); a whole checkpoint.old/ is used instead."""
+    out = str(tmp_path / "out")
+    ckpt = out + "/checkpoint"
+    main(["--model", tiny_dir, "--max-steps", "1", "--output-dir", out, "--eval-every", "0"] + TINY)
+    shutil.copytree(ckpt, str(tmp_path / "whole"))
+    cut = lambda path: os.truncate(path, os.path.getsize(path) // 2)  # noqa: E731
+    for name, damage in (("adapter_model.safetensors", os.remove), ("adapter_model.safetensors", cut),
+                         ("trainer_state.pt", cut), ("grpo_args.json", cut), ("grpo_args.json", os.remove)):
+        damage(os.path.join(ckpt, name))
+        with pytest.raises(SystemExit, match=f"^grpo: error: --resume: {ckpt}/{name} is missing or cut, and no "
+                                             f"other checkpoint is whole: restore it$"):
+            grpo.parse_args(["--output-dir", out, "--resume", "--max-steps", "2"])
+        with pytest.raises(SystemExit, match="holds a run: --resume continues it, --overwrite starts over"):
+            main(["--model", tiny_dir, "--output-dir", out] + TINY)  # nor is it overwritten unasked
+        shutil.copy(tmp_path / "whole" / name, ckpt)
+    shutil.copytree(ckpt, out + "/checkpoint.old")
+    os.remove(ckpt + "/adapter_model.safetensors")
+    capsys.readouterr()
+    main(["--output-dir", out, "--resume", "--max-steps", "2"])
+    assert f"grpo: {ckpt}/adapter_model.safetensors is missing or cut: resuming from {out}/checkpoint.old" \
+        in capsys.readouterr().err.splitlines()
+    assert [r["step"] for r in metrics(out)] == [1, 2] and grpo.last_checkpoint(out) == ckpt
+
+
+def test_resume_refuses_another_base_model_and_names_a_changed_file(tiny_dir, tmp_path, capsys):
+    """Paths may move on --resume, content may not change silently: other weights of the same shapes are refused
+    in one line; an identical copy of the model elsewhere resumes; a reward file that changed (a fixed bug, say)
+    is named in a note, and the run goes on with it."""
+    out = str(tmp_path / "out")
+    main(["--model", tiny_dir, "--max-steps", "1", "--output-dir", out, "--eval-every", "0"] + TINY
+         + reward_file(tmp_path))
+    other = tiny.make_tiny(str(tmp_path / "other"), seed=1)
+    with pytest.raises(SystemExit, match=f"^grpo: error: --resume: --model '{other}' is not the model the run "
+                                         f"started from \\(its config or weights differ\\)"):
+        grpo.parse_args(["--output-dir", out, "--resume", "--model", other, "--max-steps", "2"])
+    moved = shutil.copytree(tiny_dir, tmp_path / "moved")
+    reward_file(tmp_path, "def digits(c, a, **kw):\n    return sum(ch.isdigit() for ch in c) / 20\n")
+    capsys.readouterr()
+    main(["--output-dir", out, "--resume", "--model", str(moved), "--max-steps", "2"])
+    notes = [line for line in capsys.readouterr().err.splitlines() if "note" in line]
+    assert notes == ["grpo: note: the --reward-fn file has changed since the run was saved"]
+    assert [r["step"] for r in metrics(out)] == [1, 2]
+
+
 def start_slow_run(tiny_dir, tmp_path, out, extra=(), cmd=(sys.executable,)):
     """grpo.py in the background with a judge that takes 0.5 s a call, so that a step spends seconds in its
     rollout; returns once a training step is in metrics.jsonl."""
@@ -1879,6 +1929,76 @@ def test_a_signal_while_a_step_is_saved_stops_after_that_step(tiny_dir, tmp_path
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("grpo: stopped at step 1: --resume")
 
 
+def test_signals_inside_a_save_do_not_break_it_and_sighup_stops_as_sigterm_does(tiny_dir, tmp_path, monkeypatch,
+                                                                                 capsys):
+    """SIGHUP (the terminal closed) in a rollout stops the run as SIGTERM does: the last completed step is saved at
+    once. A Ctrl-C and a SIGTERM that land inside that save are only noted: it completes, and the run exits 128 +
+    the first signal."""
+    out = str(tmp_path / "out")
+    rollout, save = grpo.rollout, grpo.save
+    calls = []
+    def hang_up_in_step_2(*args, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGHUP)
+        return rollout(*args, **kw)
+    def save_with_signals(*args):
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)
+        save(*args)
+    monkeypatch.setattr(grpo, "rollout", hang_up_in_step_2)
+    monkeypatch.setattr(grpo, "save", save_with_signals)
+    signal.signal(signal.SIGHUP, lambda *_: pytest.fail("SIGHUP is not handled"))  # (as is, it kills pytest)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            main(["--model", tiny_dir, "--max-steps", "3", "--output-dir", out, "--eval-every", "0"] + TINY)
+    except KeyboardInterrupt:
+        pytest.fail("a Ctrl-C inside the save broke it")
+    assert stop.value.code == 128 + signal.SIGHUP and len(calls) == 2
+    assert json.load(open(out + "/checkpoint/grpo_args.json"))["step"] == metrics(out)[-1]["step"] == 1
+    assert capsys.readouterr().out.strip().splitlines()[-1].startswith("grpo: stopped at step 1: --resume")
+
+
+def test_a_signal_inside_the_last_save_leaves_a_finished_run(tiny_dir, tmp_path, monkeypatch, capsys):
+    out = str(tmp_path / "out")
+    save = grpo.save
+    def save_with_signal(*args):
+        os.kill(os.getpid(), signal.SIGTERM)
+        save(*args)
+    monkeypatch.setattr(grpo, "save", save_with_signal)
+    main(["--model", tiny_dir, "--max-steps", "1", "--output-dir", out, "--eval-every", "0"] + TINY)  # exit 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == f"grpo: step 1 saved in {out}/checkpoint; metrics " \
+                                                               f"in {out}/metrics.jsonl"
+
+
+def test_ctrl_c_while_starting_is_one_line(tiny_dir, tmp_path, monkeypatch, capsys):
+    def interrupted(*args, **kw):
+        raise KeyboardInterrupt  # what Ctrl-C raises while the model loads
+    monkeypatch.setattr(grpo, "load_model", interrupted)
+    try:
+        with pytest.raises(SystemExit) as stop:
+            main(["--model", tiny_dir, "--output-dir", str(tmp_path / "out")] + TINY)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C while starting ends in a traceback")
+    assert stop.value.code == 128 + signal.SIGINT
+    assert capsys.readouterr().err == "grpo: stopped while starting: nothing saved\n"
+
+
+def test_an_output_dir_that_cannot_be_made_or_that_a_run_deletes_is_refused_first(tiny_dir, tmp_path, monkeypatch):
+    """Under a file, or inside another run's checkpoint/ (.old/, .tmp/), which that run's next save deletes:
+    one line, before the model loads."""
+    monkeypatch.setattr(grpo, "load_model", lambda *args: pytest.fail("the model loaded"))
+    run = tmp_path / "run"  # what a run leaves in its output dir
+    (run / "checkpoint").mkdir(parents=True)
+    (run / ".lock").touch()
+    (tmp_path / "file").touch()
+    for out, says in ((tmp_path / "file" / "out", f"cannot be made: '{tmp_path}/file' is a file$"),
+                      (run / "checkpoint", f"is inside a checkpoint of the run in '{run}', which its next save"),
+                      (run / "checkpoint.old" / "x", f"is inside a checkpoint of the run in '{run}'")):
+        with pytest.raises(SystemExit, match=f"^grpo: error: --output-dir '{out}' {says}"):
+            main(["--model", tiny_dir, "--output-dir", str(out)] + TINY)
+
+
 def test_a_signal_before_the_first_step_ends_saves_nothing_and_says_so(tiny_dir, tmp_path):
     out = str(tmp_path / "out")
     body = "import time\ndef r(c, a, **kw):\n    time.sleep(0.5)\n    return len(c) % 3\n"
@@ -1916,19 +2036,37 @@ def test_two_processes_give_the_one_process_update(tiny_dir, tmp_path):
             assert two[config]["metrics"][k] == pytest.approx(v, rel=1e-4, abs=1e-6), (config, k)
 
 
+TWO_RANKS_REWARD = """import atexit, os, shutil, sys, time
+def r(c, a, **kw):
+    if os.path.exists({slow!r}):  # a slow judge: a rollout lasts seconds
+        time.sleep(0.5)
+    return sum(ch.isdigit() for ch in c) / 10
+if {straight!r} in sys.argv and os.environ["RANK"] == "0":  # a slow disk: rank 0's saves take 2 s
+    save = sys.modules["__main__"].save
+    def slow_save(*args):
+        time.sleep(2)
+        save(*args)
+    sys.modules["__main__"].save = slow_save
+if {straight!r} in sys.argv and os.environ["RANK"] == "1":  # rank 1 copies the checkpoint's step as it leaves
+    atexit.register(shutil.copy, {straight!r} + "/checkpoint/grpo_args.json", {left!r})
+"""
+
+
 def test_two_processes_mixed_pool_refill_sigterm_and_resume(tiny_dir, tmp_path):
-    """2 ranks, DAPO's refill in mixed-pool mode: one metrics file and checkpoint (rank 0). SIGTERM to torchrun
+    """2 ranks, DAPO's refill in mixed-pool mode: one metrics file and checkpoint (rank 0). The ranks leave
+    together: rank 1 waits for rank 0's last save (one that leaves sooner may die at exit). SIGTERM to torchrun
     (which forwards it to every rank and kills them 30 s later) during a rollout: rank 0 saves the last completed
     step at once, and --resume from it to step 3 gives the straight 3-step run, bit for bit (each rank's random
     states and teacher draws restored)."""
-    slow = tmp_path / "slow"  # while it exists the judge takes 0.5 s a call: a rollout lasts seconds
-    (tmp_path / "rw.py").write_text(f"import os, time\ndef r(c, a, **kw):\n    if os.path.exists({str(slow)!r}):\n"
-                                    "        time.sleep(0.5)\n    return sum(ch.isdigit() for ch in c) / 10\n")
+    slow = tmp_path / "slow"  # while it exists the judge takes 0.5 s a call
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    left = tmp_path / "left.json"
+    (tmp_path / "rw.py").write_text(TWO_RANKS_REWARD.format(slow=str(slow), straight=straight, left=str(left)))
     args = [os.path.join(HERE, "grpo.py"), "--algo", "dapo", "--model", tiny_dir, "--teacher-per-group", "2",
             "--split-grads", "--max-gen-rounds", "2", "--max-steps", "3", "--reward-fn", f"{tmp_path}/rw.py:r",
             "--rewards", "correct"] + TINY + mixed_files(tmp_path)
-    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     subprocess.run(TORCHRUN + args + ["--output-dir", straight], cwd=HERE, check=True, capture_output=True)
+    assert left.exists() and json.loads(left.read_text())["step"] == 3, "rank 1 left before rank 0's last save"
     rows = metrics(straight)
     assert [r["step"] for r in rows] == [1, 2, 3]  # one file, written by rank 0 alone
     assert all(r["groups/kept"] <= 2 and "grad/cos_student_teacher" in r for r in rows if r["groups/kept"])
