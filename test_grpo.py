@@ -1797,42 +1797,82 @@ def test_resume_from_the_old_checkpoint_and_a_partial_metrics_line(tiny_dir, tmp
     assert [r["step"] for r in metrics(out)] == [1, 2] and not os.path.exists(out + "/checkpoint.old")
 
 
-def start_slow_run(tiny_dir, tmp_path, out, extra=(), cmd=(sys.executable,)):
-    """grpo.py in the background with a judge that takes 0.5 s a call, so that a step spends seconds in its
-    rollout; returns once a training step is in metrics.jsonl."""
-    body = "import time\ndef r(c, a, **kw):  # a slow judge\n    time.sleep(0.5)\n    return len(c) % 3\n"
-    argv = list(cmd) + [os.path.join(HERE, "grpo.py"), "--model", tiny_dir, "--output-dir", out, "--max-steps",
-                        "10000"] + TINY + reward_file(tmp_path, body)[:2] + list(extra)
-    p = subprocess.Popen(argv, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 180
-    while not (os.path.exists(out + "/metrics.jsonl") and metrics(out)):
-        assert time.time() < deadline and p.poll() is None, p.stderr.read() if p.poll() is not None else "timeout"
-        time.sleep(0.2)
+def held_judge(tmp_path, out, after=0):
+    """A reward a test can hold: while tmp_path/hold exists, once the run's metrics.jsonl holds `after` lines (so
+    never in the start-up check, which comes before the output dir is written), a call writes tmp_path/held<rank>
+    and waits. A test waits on that file, not on the clock: the run is then in a rollout, held in the judge."""
+    (tmp_path / "judge.py").write_text(
+        f"import os, time\nhold, held, log = {str(tmp_path / 'hold')!r}, {str(tmp_path / 'held')!r}, "
+        f"{out + '/metrics.jsonl'!r}\n"
+        "def r(c, a, **kw):\n"
+        f"    if os.path.exists(hold) and os.path.exists(log) and open(log).read().count('\\n') >= {after}:\n"
+        "        open(held + os.environ.get('RANK', '0'), 'w').close()\n"
+        "        while os.path.exists(hold):\n"
+        "            time.sleep(0.05)\n"
+        "    return len(c) % 3\n")
+    return ["--reward-fn", f"{tmp_path}/judge.py:r"]
+
+
+def background(tmp_path, argv):
+    """A process whose stdout and stderr go to files (a pipe that nobody reads can fill and stop it)."""
+    out, err = (open(tmp_path / name, "w") for name in ("stdout", "stderr"))
+    p = subprocess.Popen(argv, cwd=HERE, stdout=out, stderr=err, text=True)
+    p.out, p.err = (tmp_path / "stdout").read_text, (tmp_path / "stderr").read_text
     return p
+
+
+def wait_for(what, ready, p, timeout=240):
+    """Polls ready() until it holds; fails at once, with the process's stderr, if the process ended first, and
+    with a sentence after `timeout` s (a deadline for a hang, never the verdict on a working run)."""
+    deadline = time.time() + timeout
+    while not ready():
+        assert p.poll() is None, f"exited {p.returncode} before {what}:\n{p.err()[-3000:]}"
+        assert time.time() < deadline, f"no {what} after {timeout} s:\n{p.err()[-3000:]}"
+        time.sleep(0.05)
+
+
+def stop(p, sig):
+    """Sends sig and waits for the process to exit (a deadline for a run that wrongly waits on a held judge)."""
+    p.send_signal(sig)
+    try:
+        return p.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise AssertionError(f"still running 120 s after signal {sig}: it waited for the held step") from None
+
+
+def logged(out):
+    """metrics.jsonl's whole lines (a line being written is not read), training steps only."""
+    if not os.path.exists(out + "/metrics.jsonl"):
+        return []
+    with open(out + "/metrics.jsonl") as f:
+        return [r for r in map(json.loads, (line for line in f if line.endswith("\n"))) if r["step"]]
 
 
 def test_a_signal_saves_the_last_step_at_once_and_one_run_holds_the_dir(tiny_dir, tmp_path):
     """SIGTERM (what a scheduler or `kill` sends; Ctrl-C's SIGINT in the next test) that lands in a rollout, here
-    in the slow judge, does not wait for the step: the last completed step is saved at once and the run exits
-    128 + signal, what a scheduler reads as "killed". Meanwhile a second run in the output dir is refused."""
+    in a judge held until the run stops, does not wait for the step: the last completed step is saved at once and
+    the run exits 128 + signal, what a scheduler reads as "killed". Meanwhile a second run in the output dir is
+    refused."""
     out = str(tmp_path / "out")
-    p = start_slow_run(tiny_dir, tmp_path, out, ["--save-every", "1"])
-    while not os.path.exists(out + "/checkpoint"):
-        time.sleep(0.1)
-    with pytest.raises(SystemExit, match=f"--output-dir '{out}' is in use by another run"):
-        main(["--output-dir", out, "--resume", "--max-steps", "20000"])
-    rows = len(metrics(out))
-    while len(metrics(out)) == rows:  # a step has just ended: the next one spends about 4 s in the judge
-        time.sleep(0.05)
-    time.sleep(0.5)
-    t0 = time.time()
-    p.send_signal(signal.SIGTERM)
-    assert p.wait(timeout=60) == 128 + signal.SIGTERM and time.time() - t0 < 3, p.stderr.read()[-3000:]
+    p = background(tmp_path, [sys.executable, os.path.join(HERE, "grpo.py"), "--model", tiny_dir, "--output-dir", out,
+                              "--max-steps", "10000", "--save-every", "1"] + TINY + held_judge(tmp_path, out))
+    try:
+        wait_for("checkpoint", lambda: os.path.exists(out + "/checkpoint"), p)
+        with pytest.raises(SystemExit, match=f"--output-dir '{out}' is in use by another run"):
+            main(["--output-dir", out, "--resume", "--max-steps", "20000"])
+        (tmp_path / "hold").touch()
+        wait_for("held judge", (tmp_path / "held0").exists, p)
+        rows = len(logged(out))  # steps 1..rows are done and saved; step rows + 1 is in its rollout, held
+        assert stop(p, signal.SIGTERM) == 128 + signal.SIGTERM, p.err()[-3000:]
+    finally:
+        (tmp_path / "hold").unlink(missing_ok=True)
+        p.kill()
     step = json.load(open(out + "/checkpoint/grpo_args.json"))["step"]
-    assert step == metrics(out)[-1]["step"] == rows + 1
-    assert p.stdout.read().strip().splitlines()[-1] == f"grpo: stopped at step {step}: --resume to continue " \
-                                                       f"({out}/checkpoint; metrics in {out}/metrics.jsonl)"
-    assert "Traceback" not in p.stderr.read()
+    assert step == metrics(out)[-1]["step"] == rows
+    assert p.out().strip().splitlines()[-1] == f"grpo: stopped at step {step}: --resume to continue " \
+                                              f"({out}/checkpoint; metrics in {out}/metrics.jsonl)"
+    assert "Traceback" not in p.err()
     import peft
     from transformers import AutoModelForCausalLM
     peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dir), out + "/checkpoint")
@@ -1860,17 +1900,16 @@ def test_a_signal_while_a_step_is_saved_stops_after_that_step(tiny_dir, tmp_path
 
 def test_a_signal_before_the_first_step_ends_saves_nothing_and_says_so(tiny_dir, tmp_path):
     out = str(tmp_path / "out")
-    body = "import time\ndef r(c, a, **kw):\n    time.sleep(0.5)\n    return len(c) % 3\n"
-    p = subprocess.Popen([sys.executable, os.path.join(HERE, "grpo.py"), "--model", tiny_dir, "--output-dir", out,
-                          "--max-steps", "3"] + TINY + reward_file(tmp_path, body)[:2], cwd=HERE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    while not os.path.exists(out + "/metrics.jsonl") or not open(out + "/metrics.jsonl").read():  # step 0's eval
-        assert p.poll() is None, p.stderr.read()
-        time.sleep(0.1)
-    time.sleep(1)  # inside step 1's judge
-    p.send_signal(signal.SIGINT)
-    assert p.wait(timeout=60) == 128 + signal.SIGINT
-    assert p.stdout.read().strip().splitlines()[-1] == "grpo: stopped before step 1 ended: nothing saved"
+    (tmp_path / "hold").touch()  # step 1's judge is held
+    p = background(tmp_path, [sys.executable, os.path.join(HERE, "grpo.py"), "--model", tiny_dir, "--output-dir", out,
+                              "--max-steps", "3"] + TINY + held_judge(tmp_path, out))
+    try:
+        wait_for("held judge", (tmp_path / "held0").exists, p)
+        assert stop(p, signal.SIGINT) == 128 + signal.SIGINT, p.err()[-3000:]
+    finally:
+        (tmp_path / "hold").unlink()
+        p.kill()
+    assert p.out().strip().splitlines()[-1] == "grpo: stopped before step 1 ended: nothing saved"
     assert not os.path.exists(out + "/checkpoint")
 
 
@@ -1982,30 +2021,29 @@ def test_two_processes_mixed_pool_refill_sigterm_and_resume(tiny_dir, tmp_path):
     (which forwards it to every rank and kills them 30 s later) during a rollout: rank 0 saves the last completed
     step at once, and --resume from it to step 3 gives the straight 3-step run, bit for bit (each rank's random
     states and teacher draws restored)."""
-    slow = tmp_path / "slow"  # while it exists the judge takes 0.5 s a call: a rollout lasts seconds
-    (tmp_path / "rw.py").write_text(f"import os, time\ndef r(c, a, **kw):\n    if os.path.exists({str(slow)!r}):\n"
-                                    "        time.sleep(0.5)\n    return sum(ch.isdigit() for ch in c) / 10\n")
     args = [os.path.join(HERE, "grpo.py"), "--algo", "dapo", "--model", tiny_dir, "--teacher-per-group", "2",
-            "--split-grads", "--max-gen-rounds", "2", "--max-steps", "3", "--reward-fn", f"{tmp_path}/rw.py:r",
-            "--rewards", "correct"] + TINY + mixed_files(tmp_path)
+            "--split-grads", "--max-gen-rounds", "2", "--max-steps", "3", "--rewards", "correct"] + TINY \
+        + ["--eval-every", "0"] + mixed_files(tmp_path)
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    args += held_judge(tmp_path, split, after=1)  # once step 1 is logged, step 2's rollout is held
     subprocess.run(TORCHRUN + args + ["--output-dir", straight], cwd=HERE, check=True, capture_output=True)
     rows = metrics(straight)
     assert [r["step"] for r in rows] == [1, 2, 3]  # one file, written by rank 0 alone
     assert all(r["groups/kept"] <= 2 and "grad/cos_student_teacher" in r for r in rows if r["groups/kept"])
-    slow.touch()
-    p = subprocess.Popen(TORCHRUN + args + ["--output-dir", split], cwd=HERE, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    while not (os.path.exists(split + "/metrics.jsonl") and metrics(split)):
-        assert p.poll() is None, p.stderr.read()
-        time.sleep(0.1)
-    t0 = time.time()
-    p.send_signal(signal.SIGTERM)
-    p.wait(timeout=90)
-    assert time.time() - t0 < 25  # within torchrun's 30 s
+    (tmp_path / "hold").touch()
+    p = background(tmp_path, TORCHRUN + args + ["--output-dir", split])
+    try:
+        wait_for("held judge on rank 0", (tmp_path / "held0").exists, p)
+        p.send_signal(signal.SIGTERM)  # torchrun forwards it to every rank
+        wait_for("rank 0's stop", lambda: "grpo: stopped at step" in p.out(), p)
+        (tmp_path / "hold").unlink()  # rank 1 goes on, finds rank 0 gone, and ends
+        p.wait(timeout=120)
+    finally:
+        (tmp_path / "hold").unlink(missing_ok=True)
+        p.kill()
+    assert "Unable to shutdown process" not in p.err(), p.err()[-3000:]  # no rank was left for torchrun to kill
     step = json.load(open(split + "/checkpoint/grpo_args.json"))["step"]
-    assert 1 <= step < 3 and step == metrics(split)[-1]["step"]
-    slow.unlink()
+    assert step == metrics(split)[-1]["step"] == 1
     cli(["--output-dir", split, "--resume"], cmd=TORCHRUN)
     assert steady(metrics(split)) == steady(rows)
     a, b = trained(straight), trained(split)
