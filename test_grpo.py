@@ -1953,7 +1953,7 @@ if world > 1:  # refused in one line, on every rank, before anything is written
             result[name] = str(e)
 EQ = [1.0, 1.0]  # an all-equal group; the rest differ, each with its own std
 SCHEDULES = {  # rewards by place in the data order: 4 prompts a round, slots 0 and 2 on rank 0, 1 and 3 on rank 1
-    "exact": [EQ, [0, 1], EQ, [0, 3], [0, 2], EQ, [0, 4], EQ],  # 2 kept, then 2 more: B
+    "exact": [[0, 1], EQ, [0, 3], EQ, [0, 2], EQ, [0, 4], EQ, EQ, [0, 5], EQ, [0, 6]],  # 2 kept on rank 0, then 2
     "overshoot": [EQ, [0, 1], EQ, [0, 3], [0, 2], [0, 5], [0, 4], [0, 6]]}  # 2 kept, then 4 more: cut to B
 a = grpo.parse_args(["--model", model_dir, "--dataset", data, "--prompts-per-step", "4", "--num-generations", "2",
                      "--max-new-tokens", "4", "--dynamic-sampling", "--max-gen-rounds", "3", "--top-k-groups", "3",
