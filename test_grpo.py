@@ -438,12 +438,14 @@ ANSWER_STYLES = [
     ("The answer is $2\\sqrt{3}$.", "2\\sqrt{3}", True),
     ("The answer is $3\\sqrt{2}$.", "2\\sqrt{3}", False),
     ("\\boxed{3\\sqrt{2}}", "3", False),
+    ("\\boxed{2\\sqrt3}", "2\\sqrt{3}", True),
     ("\\boxed{x = 5}", "5", True),
     ("\\boxed{y=2x+3}", "2x+3", True),
     # multiple choice
     ("The correct option is (B).\n\\boxed{B}", "B", True),
     ("\\boxed{(B)}", "B", True),
     ("\\boxed{B}", "(B)", True),
+    ("\\boxed{B}", "(b)", True),
     ("The answer is (C) 12.", "C", True),
     ("The answer is (C) 12.", "B", False),
     ("Answer: D", "D", True),
@@ -475,6 +477,8 @@ ANSWER_STYLES = [
     ("<think>maybe \\boxed{7}</think><answer>9</answer>", "9", True),
     ("<think>maybe \\boxed{7}</think><answer>9</answer>", "7", False),
     ("<think>5+5</think><answer>10</answer>", "10", True),
+    ("Maybe \\boxed{3}. <answer>4</answer>", "4", True),  # the tag wins over a box
+    ("Maybe \\boxed{3}. <answer>4</answer>", "3", False),
     ("<think>the answer is 3? no, 4</think>\nSo the final answer is \\boxed{4}.", "4", True),
     ("<think>the answer is 3? no, 4</think>\nSo the final answer is \\boxed{4}.", "3", False),
     ("<think>\\boxed{12}</think> It is 13.", "13", False),
@@ -527,6 +531,7 @@ def test_math_verify_grades_the_final_answer():
 
 def test_gsm8k_reference_answer():
     assert R.reference_answer("She has 3 + 4 = <<3+4=7>>7 ...\n#### 1,234") == "1,234"
+    assert R.reference_answer("#### 3 is wrong: 3 + 1 = 4\n#### 4") == "4"  # the last
     assert R.correct("\\boxed{1234}", R.reference_answer("x\n#### 1,234")) == 1.0
 
 
