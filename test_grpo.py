@@ -56,8 +56,8 @@ def wide_dir(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def signal_handlers():
-    """grpo.main() installs its own Ctrl-C / SIGTERM / SIGHUP handlers: an in-process run must not leave them."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    """grpo.main() installs its own Ctrl-C / SIGTERM / SIGHUP handlers (and tests an alarm): none is left behind."""
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGALRM)}
     yield
     for s, handler in saved.items():
         signal.signal(s, handler)
@@ -357,34 +357,13 @@ def test_completion_mask_several_eos_ids():
 
 
 # ============================================================================= rewards
-@pytest.mark.parametrize("text, answer", [
-    ("so the total is \\boxed{42}.", "42"),
-    ("\\boxed{\\frac{3}{4}}", "0.75"),
-    ("\\boxed{1,000}", "1000"),
-    ("<think>5+5</think><answer>10</answer>", "10"),
-    ("Natalia sold 48 clips.\n#### 72", "72"),
-    ("I think the answer is $18.00.", "18"),
-    ("The answer is: -3", "-3"),
-    ("Q: what?\nA: 7 apples", "7"),
-    ("first 3, then 4, finally 12", "12"),
-    ("\\boxed{\\$1,250}", "1250"),
-    ("\\boxed{25\\%}", "25"),
-    ("\\boxed{3/6}", "1/2"),
-    ("\\boxed{12 \\text{ cm}}", "12"),
-    ("\\boxed{\\dfrac{10}{4}}", "2.5"),
-    ("answer: 7.0", "7"),
-])
-def test_correct_reward_formats(text, answer):
-    assert R.correct(text, answer) == 1.0
-    assert R.correct_pm1(text, answer) == 1.0
-    assert R.correct(text, "99999") == 0.0 and R.correct_pm1(text, "99999") == -1.0
-
-
 # (completion, reference, intended grade): how models write final answers, each class right and wrong
 ANSWER_STYLES = [
     # GSM8K style
     ("Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips altogether.\n#### 72", "72", True),
     ("Natalia sold 48+24 = 72 clips.\n#### 71", "72", False),
+    ("Natalia sold 48 clips.\n#### 72", "72", True),
+    ("Q: what?\nA: 7 apples", "7", True),
     ("She makes 9 * 2 = $18 every day.\nA: 18", "18", True),
     ("She makes 13 * 2 = $26 every day.\nA: 26", "18", False),
     ("He ran 3*3=<<3*3=9>>9 sprints, so 9*60=<<9*60=540>>540 meters.\nA: 540", "540", True),
@@ -465,12 +444,14 @@ ANSWER_STYLES = [
     ("The answer is $2\\sqrt{3}$.", "2\\sqrt{3}", True),
     ("The answer is $3\\sqrt{2}$.", "2\\sqrt{3}", False),
     ("\\boxed{3\\sqrt{2}}", "3", False),
+    ("\\boxed{2\\sqrt3}", "2\\sqrt{3}", True),
     ("\\boxed{x = 5}", "5", True),
     ("\\boxed{y=2x+3}", "2x+3", True),
     # multiple choice
     ("The correct option is (B).\n\\boxed{B}", "B", True),
     ("\\boxed{(B)}", "B", True),
     ("\\boxed{B}", "(B)", True),
+    ("\\boxed{B}", "(b)", True),
     ("The answer is (C) 12.", "C", True),
     ("The answer is (C) 12.", "B", False),
     ("Answer: D", "D", True),
@@ -502,6 +483,8 @@ ANSWER_STYLES = [
     ("<think>maybe \\boxed{7}</think><answer>9</answer>", "9", True),
     ("<think>maybe \\boxed{7}</think><answer>9</answer>", "7", False),
     ("<think>5+5</think><answer>10</answer>", "10", True),
+    ("Maybe \\boxed{3}. <answer>4</answer>", "4", True),  # the tag wins over a box
+    ("Maybe \\boxed{3}. <answer>4</answer>", "3", False),
     ("<think>the answer is 3? no, 4</think>\nSo the final answer is \\boxed{4}.", "4", True),
     ("<think>the answer is 3? no, 4</think>\nSo the final answer is \\boxed{4}.", "3", False),
     ("<think>\\boxed{12}</think> It is 13.", "13", False),
@@ -514,6 +497,22 @@ ANSWER_STYLES = [
     ("", "42", False),
     ("the answer is 42 but \\boxed{41}", "42", False),
     ("\\boxed{41} but the answer is 42", "41", True),
+    # a self-correction: the last answer is the final one
+    ("\\boxed{3}. No, I made an error: \\boxed{4}", "4", True),
+    ("\\boxed{3}. No, I made an error: \\boxed{4}", "3", False),
+    ("\\fbox{12}", "12", True),
+    ("\\boxed{3}, or rather \\fbox{5}", "5", True),
+    ("\\boxed{3}, or rather \\fbox{5}", "3", False),
+    ("So \\boxed{5}, and finally \\boxed{6", "5", True),  # the last box never closed (cut off): the one before
+    ("<answer>3</answer> No: <answer>4</answer>", "4", True),
+    ("<answer>3</answer> No: <answer>4</answer>", "3", False),
+    ("#### 3\nNo, I miscounted.\n#### 4", "4", True),
+    ("#### 3\nNo, I miscounted.\n#### 4", "3", False),
+    ("The answer is 3.\nNo, wait: the answer is 4.", "4", True),
+    ("The answer is 3.\nNo, wait: the answer is 4.", "3", False),
+    pytest.param("The answer is 3. No, wait: the answer is 4.", "4", True, marks=pytest.mark.xfail(
+        strict=True, reason="rewards.py: _PHRASE's [^\\n]{1,300} swallows a later 'answer is' on the same line, "
+                            "so the first phrase of a line is graded, not the last")),
 ]
 
 
@@ -536,22 +535,38 @@ def test_math_verify_grades_the_final_answer():
     assert R.math_verify("\\boxed{4a-3}", "4a-2") == 0.0
 
 
-def test_correct_reward_wrong_and_missing():
-    assert R.correct("\\boxed{41}", "42") == 0.0
-    assert R.correct("no number at all", "42") == 0.0
-    assert R.correct("\\boxed{}", "42") == 0.0
-    assert R.correct("the answer is 42 but \\boxed{41}", "42") == 0.0  # \boxed wins
-
-
 def test_gsm8k_reference_answer():
     assert R.reference_answer("She has 3 + 4 = <<3+4=7>>7 ...\n#### 1,234") == "1,234"
+    assert R.reference_answer("#### 3 is wrong: 3 + 1 = 4\n#### 4") == "4"  # the last
     assert R.correct("\\boxed{1234}", R.reference_answer("x\n#### 1,234")) == 1.0
 
 
-def test_format_reward():
-    assert R.r1_format("<think>a</think>\n<answer>3</answer>", "3") == 1.0
-    assert R.r1_format("<think>a</think> trailing <answer>3</answer>", "3") == 0.0
-    assert R.r1_format("<answer>3</answer>", "3") == 0.0
+@pytest.mark.parametrize("text, want", [
+    ("<think>a</think>\n<answer>3</answer>", 1.0), ("<reasoning>a</reasoning>\n<answer>3</answer>", 1.0),
+    ("  <think>a</think><answer>3</answer>\n", 1.0), ("<think>a</think> trailing <answer>3</answer>", 0.0),
+    ("<answer>3</answer>", 0.0), ("<reasoning>a</think><answer>3</answer>", 0.0),
+    ("Sure. <think>a</think><answer>3</answer>", 0.0), ("<think>a</think><answer>3</answer> Done.", 0.0),
+    ("<think>a</think><answer>3", 0.0)])
+def test_format_reward(text, want):
+    assert R.r1_format(text, "3") == R.REWARDS["format"](text, "3") == want
+
+
+def test_the_registry_and_the_weights_reach_the_reward():
+    """--rewards names map to the functions README describes, and each is weighted: R = sum_k w_k r_k."""
+    assert (R.REWARDS["correct"]("\\boxed{2}", "3"), R.REWARDS["correct_pm1"]("\\boxed{2}", "3")) == (0.0, -1.0)
+    fns = grpo.build_rewards(grpo.parse_args(["--rewards", "correct:0.5,correct_pm1:2,format:0.25"]))
+    text = "<think>1+2</think><answer>3</answer>"
+    total, per_fn = grpo.score([text, "\\boxed{4}"], [{"prompt": "1+2?", "answer": "3"}] * 2, [9, 5], fns,
+                               grpo.parse_args([]))
+    assert {k: v.tolist() for k, v in per_fn.items()} == {"correct": [1, 0], "correct_pm1": [1, -1], "format": [1, 0]}
+    assert total.tolist() == [0.5 + 2 + 0.25, -2.0]
+
+
+def test_overlong_penalty_by_hand():
+    """DAPO (2503.14476) eq. 13 with L_max = 10, L_cache = 4: 0 up to 6 tokens, then (6 - |o|) / 4 down to
+    -1 at 10 tokens, -1 beyond."""
+    got = [R.overlong_penalty(n, 10, 4) for n in (1, 6, 7, 9, 10, 11, 500)]
+    assert got == pytest.approx([0.0, 0.0, -0.25, -0.75, -1.0, -1.0, -1.0])
 
 
 @pytest.mark.parametrize("text", [
@@ -563,15 +578,17 @@ def test_format_reward():
     "\\frac{" * 50_000 + "1}{2}", ("12,345" * 100_000)[:300_000], "\\boxed{1}" + "\\text{" * 100_000,
 ], ids=lambda t: repr(t[:12]) + f"x{len(t)}")
 def test_adversarial_text_is_finite_and_fast(text):
-    t0 = time.time()
-    for fn in (R.correct, R.correct_pm1, R.r1_format):  # math_verify: see README (its own 5 s timeouts)
-        assert math.isfinite(fn(text, "42"))
-    assert time.time() - t0 < 1.0
-
-
-def test_format_reward_accepts_reasoning_tags():
-    assert R.r1_format("<reasoning>a</reasoning>\n<answer>3</answer>", "3") == 1.0
-    assert R.r1_format("<reasoning>a</think><answer>3</answer>", "3") == 0.0
+    """Linear time: each text takes milliseconds. A regex gone super-linear would take hours, not seconds, so a
+    deadline of a minute (an alarm, not a stopwatch) turns such a hang into a failure on any machine."""
+    def hang(*_):
+        raise TimeoutError(f"grading {text[:12]!r}... (len {len(text)}) still ran after 60 s: super-linear")
+    signal.signal(signal.SIGALRM, hang)
+    signal.alarm(60)
+    try:
+        for fn in (R.correct, R.correct_pm1, R.r1_format):  # math_verify: see README (its own 5 s timeouts)
+            assert math.isfinite(fn(text, "42"))
+    finally:
+        signal.alarm(0)
 
 
 def test_reward_functions_get_the_record_s_fields_and_the_length(tmp_path):
@@ -650,14 +667,29 @@ def test_a_non_finite_reward_weight_stops_the_run():
 
 
 # ============================================================================= flags and data
-def test_presets_and_explicit_flags_win():
-    for algo, preset in grpo.PRESETS.items():
-        a = grpo.parse_args(["--algo", algo])
-        assert all(getattr(a, k) == v for k, v in preset.items())
-    a = grpo.parse_args(["--algo", "dapo", "--eps-high", "0.3", "--no-dynamic-sampling", "--loss-agg",
-                         "seq-mean-token-sum"])
-    assert (a.eps_high, a.dynamic_sampling, a.loss_agg, a.eps_low) == (0.3, False, "seq-mean-token-sum", 0.2)
-    assert a.overlong_buffer == a.max_new_tokens // 5  # derived after parsing
+PAPERS = {  # README's table, from the papers, written out here: never read from grpo.PRESETS
+    "grpo": dict(scale="std", loss_agg="seq-mean-token-mean", eps_low=0.2, eps_high=0.2, beta=0.04),
+    "drgrpo": dict(scale="none", loss_agg="seq-mean-token-sum-norm", eps_low=0.2, eps_high=0.2, beta=0.0),
+    "dapo": dict(scale="std", loss_agg="token-mean", eps_low=0.2, eps_high=0.28, beta=0.0, dynamic_sampling=True,
+                 overlong_penalty=True, rewards="correct_pm1"),
+    "drgrpo_soft": dict(scale="none", loss_agg="seq-mean-token-sum", eps_low=0.2, eps_high=0.2, beta=0.0,
+                        soft_reweight=True),
+}
+PLAIN = dict(dynamic_sampling=False, overlong_penalty=False, rewards="correct", soft_reweight=False, top_k_groups=0,
+             mask_truncated=False, surrogate="clip", ratio="token", kl="k3", num_iterations=1, tis=0.0, dual_clip=0.0)
+
+
+@pytest.mark.parametrize("algo", PAPERS)
+def test_presets_are_the_papers_and_explicit_flags_win(algo):
+    a = grpo.parse_args(["--algo", algo])
+    want = {**PLAIN, **PAPERS[algo]}
+    assert {k: getattr(a, k) for k in want} == want
+    flipped = ["--no-dynamic-sampling" if a.dynamic_sampling else "--dynamic-sampling", "--eps-high", "0.3",
+               "--loss-agg", "seq-mean-token-sum", "--beta", "0.01", "--scale", "none" if a.scale == "std" else "std"]
+    b = grpo.parse_args(["--algo", algo] + flipped)
+    assert (b.dynamic_sampling, b.eps_high, b.loss_agg, b.beta, b.scale, b.eps_low) == (
+        not a.dynamic_sampling, 0.3, "seq-mean-token-sum", 0.01, {"std": "none", "none": "std"}[a.scale], 0.2)
+    assert a.overlong_buffer == (256 // 5 if algo == "dapo" else 0)  # derived after parsing: L_cache = T // 5
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -1028,6 +1060,95 @@ def test_zero_variance_skip_leaves_the_gradient_unchanged(loaded, agg):
     assert_same_update(skipped, full)
 
 
+def hand_update(model, batch, agg, T, beta=0.0, rows=None):
+    """Minus the step's gradient, from the definitions and nothing of train_step: on-policy (r = 1) the token
+    loss has the value -A and the gradient -A grad log pi, plus beta k3 against the adapter-disabled model; the
+    normalisers are counted here: rows (bool, N) left out count in none of them."""
+    model = copy.deepcopy(model)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    ids, attn, C = batch["input_ids"], batch["attention_mask"], batch["mask"].shape[1]
+    logp, _ = grpo.token_logps(model, ids, attn, C)
+    token = -batch["adv"][:, None] * torch.exp(logp - logp.detach())
+    if beta:
+        with torch.no_grad(), model.disable_adapter():
+            ref, _ = grpo.token_logps(model, ids, attn, C)
+        token = token + beta * (torch.exp(ref - logp) - (ref - logp) - 1)
+    seqs = [i for i in range(len(ids)) if rows is None or rows[i]]
+    lengths = [batch["mask"][i].sum() for i in seqs]
+    sums = [(token[i] * batch["mask"][i]).sum() for i in seqs]
+    loss = {"token-mean": sum(sums) / sum(lengths),
+            "seq-mean-token-mean": sum(s / n for s, n in zip(sums, lengths)) / len(seqs),
+            "seq-mean-token-sum": sum(sums) / len(seqs),
+            "seq-mean-token-sum-norm": sum(sums) / (len(seqs) * T)}[agg]
+    grads = torch.autograd.grad(loss, list(params.values()))
+    return {n: -g for n, g in zip(params, grads)}
+
+
+@pytest.mark.parametrize("agg", grpo.LOSS_AGGS)
+def test_the_step_s_gradient_is_the_papers_and_mask_truncated_drops_rows(loaded, agg):
+    """train_step's update (SGD, lr 1) equals the gradient computed by hand: with T = 9 longer than every
+    completion (Dr. GRPO divides by T, not by the longest); with --mask-truncated (DAPO §3.4 overlong
+    filtering) the truncated rows get no gradient and count in neither normaliser, as if they were not there."""
+    a, model, tok = loaded
+    a = replace(a, loss_agg=agg, max_grad_norm=0.0, max_new_tokens=6, scale="std", micro_batch_size=3)
+    groups = tiny.fixed_groups(tok, REWARDS, a)
+    for g, i in ((groups[0], 3), (groups[2], 3)):  # two completions of T tokens that did not end (no EOS)
+        g["completions"][i] = torch.cat([g["completions"][i][:-1], torch.tensor([7])])
+        g["truncated"][i] = True
+    batch = grpo.collate(groups, tok.pad_token_id, "cpu")
+    kept = ~batch["truncated"]
+    assert batch["adv"][~kept].abs().min() > 0.4 and batch["mask"][~kept].sum(1).tolist() == [6, 6]
+    plain, _ = sgd_update(model, replace(a, max_new_tokens=9), groups, tok.pad_token_id)
+    assert_same_update(plain, hand_update(model, batch, agg, 9))
+    masked, m = sgd_update(model, replace(a, mask_truncated=True), groups, tok.pad_token_id)
+    want = hand_update(model, batch, agg, 6, rows=kept)
+    assert_same_update(masked, want)
+    assert not all(torch.allclose(want[n], v, rtol=1e-3) for n, v in hand_update(model, batch, agg, 6).items())
+    assert m["train/rows"] == 16 - 8 - 2  # the two zero-variance groups are skipped, and the truncated rows
+
+
+def test_with_beta_the_zero_variance_rows_train_their_kl(loaded):
+    """The zero-variance skip holds only with beta = 0: with beta > 0 an all-equal group has A = 0 but its KL
+    term has a gradient, so its rows train. The step's update equals the hand gradient of
+    -A r + beta k3 (k3 against the adapter-disabled model, beta 0.1), summed over every row."""
+    a, model, tok = loaded
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.05)  # a policy away from the reference: the KL has a gradient
+    a = replace(a, beta=0.1, max_grad_norm=0.0, max_new_tokens=6, loss_agg="seq-mean-token-mean")
+    groups = tiny.fixed_groups(tok, REWARDS, a)
+    u, m = sgd_update(model, a, groups, tok.pad_token_id)
+    assert m["train/rows"] == 16 and m["kl"] > 1e-3
+    batch = grpo.collate(groups, tok.pad_token_id, "cpu")
+    assert_same_update(u, hand_update(model, batch, a.loss_agg, 6, beta=0.1))
+
+
+def test_full_fine_tuning_kl_is_against_a_frozen_copy_of_the_start(tiny_dir):
+    """--lora-r 0 --beta > 0: the reference is a frozen copy of the starting model, so kl is 0 at the first step
+    and grows as the policy moves, equal each step to k3 against a separately loaded starting model; the
+    copy's weights never move."""
+    a = grpo.parse_args(["--model", tiny_dir, "--lora-r", "0", "--beta", "0.1"] + TINY + ["--max-new-tokens", "6"])
+    model, tok, ref = grpo.load_model(a, torch.device("cpu"))
+    assert ref is not None and ref is not model and not any(p.requires_grad for p in ref.parameters())
+    frozen = {k: v.clone() for k, v in ref.state_dict().items()}
+    from transformers import AutoModelForCausalLM
+    start = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    opt = grpo.make_optimizer(a, model)
+    batch = grpo.collate(tiny.fixed_groups(tok, REWARDS, a), tok.pad_token_id, "cpu")
+    C, kls = batch["mask"].shape[1], []
+    for step in range(3):
+        with torch.no_grad():
+            d = grpo.token_logps(start, batch["input_ids"], batch["attention_mask"], C)[0] \
+                - grpo.token_logps(model, batch["input_ids"], batch["attention_mask"], C)[0]
+        k3 = ((d.exp() - d - 1) * batch["mask"]).sum() / batch["mask"].sum()
+        kls.append(grpo.train_step(model, ref, opt, batch, a)["kl"])
+        assert kls[-1] == pytest.approx(k3.item(), rel=1e-4, abs=1e-12)
+    assert kls[0] == 0 and 0 < kls[1] < kls[2]
+    assert all(torch.equal(v, frozen[k]) for k, v in ref.state_dict().items())
+
+
 def test_bf16_full_fine_tuning_moves_the_weights(tiny_dir):
     """One bf16 full fine-tuning step at the default learning rate changes (nearly) every weight. In pure
     bf16 most would not move: AdamW's first update is ~lr = 2e-5 per weight, while bf16's 8-bit
@@ -1150,6 +1271,25 @@ def stub_reward(schedule):
 def rollout(a, model, tok, fn, pool=None):
     stream = grpo.prompt_stream(grpo.arithmetic_task(100, 0), 0)
     return grpo.rollout(model, tok, stream, [("stub", fn, 1.0)], pool, a)[:2]
+
+
+def test_the_overlong_penalty_reaches_the_reward(loaded, monkeypatch):
+    """--algo dapo: R = the reward + DAPO's overlong penalty of each completion's length in tokens, counting the
+    EOS that ended it (T = 12, L_cache = 4: 0 up to 8 tokens, then (8 - |o|) / 4), by hand."""
+    _, model, tok = loaded
+    a = grpo.parse_args(["--algo", "dapo", "--overlong-buffer", "4"] + TINY)
+    lengths, cut = [2, 8, 9, 11, 12, 12, 3, 10], [False] * 5 + [True] + [False] * 2
+
+    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None):
+        prompts = [torch.tensor(tok(t, add_special_tokens=False).input_ids) for t in texts]
+        comps = [torch.tensor([7] * (k - 1) + [7 if c else tok.eos_token_id]) for k, c in zip(lengths, cut)]
+        return prompts, comps, cut, [torch.zeros(k) for k in lengths]
+    monkeypatch.setattr(grpo, "generate", fake_generate)
+    stream = grpo.prompt_stream(grpo.arithmetic_task(100, 0), 0)
+    _, _, generated = grpo.rollout(model, tok, stream, [("stub", stub_reward(lambda i: float(i % 2)), 1.0)], None, a)
+    penalty = [0, 0, -0.25, -0.75, -1, -1, 0, -0.5]
+    assert torch.cat([g["rewards"] for g in generated]).tolist() == pytest.approx(
+        [i % 2 + p for i, p in enumerate(penalty)])
 
 
 def test_dynamic_sampling_refills_to_b_groups(loaded):
@@ -1512,6 +1652,49 @@ def test_tis_weights_each_token_by_the_truncated_ratio(loaded):
 
 
 
+@pytest.mark.parametrize("kw", [dict(temperature=0.7), dict(temperature=0.7, top_k=5, top_p=0.5)],
+                         ids=["T=0.7", "T=0.7-top_k=5-top_p=0.5"])
+def test_the_sampler_s_logps_are_the_trainer_s_at_a_temperature_and_under_top_k_p(loaded, kw):
+    """At temperature 0.7, with top-k and top-p on, the sampler records log pi(token) of the tempered full
+    distribution (before top-k/p cut it), which is what the trainer computes, both in generate() and as
+    train_step's gap metric; the draws respect top-k and top-p (each token is among the k likeliest, and the
+    mass of the tokens likelier than it is below top_p in the renormalised top-k)."""
+    a, model, tok = loaded
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.2)  # logits spread wider than a random tiny model's: the temperature shows
+    a = replace(a, **kw)
+    texts = [grpo.chat_prompt(tok, t, a.system_prompt) for t in TEXTS]
+    torch.manual_seed(0)
+    prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a)
+    logp, mask = trainer_logps(model, tok, a, prompts, comps, a.num_generations)
+    drawn = padded(logps, mask)
+    assert ((logp - drawn).abs() * mask).max() < 1e-4
+    at_1, _ = trainer_logps(model, tok, replace(a, temperature=1.0), prompts, comps, a.num_generations)
+    assert ((at_1 - drawn).abs() * mask).max() > 0.05  # what a sampler (or trainer) ignoring it would show
+    groups = [dict(prompt_ids=p, completions=comps[i * 4:(i + 1) * 4], truncated=truncated[i * 4:(i + 1) * 4],
+                   is_teacher=[False] * 4, rewards=torch.tensor([1.0, 0, 0, 1]), adv=torch.tensor([1.0, -1, -1, 1]),
+                   sampler_logp=logps[i * 4:(i + 1) * 4]) for i, p in enumerate(prompts)]
+    m = grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0),
+                        grpo.collate(groups, tok.pad_token_id, "cpu"), a)
+    assert m["sampler/logp_gap"] < 1e-4
+    if a.top_k:
+        b = grpo.collate(groups, tok.pad_token_id, "cpu")
+        with torch.no_grad():
+            pos = (b["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+            hidden = model.get_decoder()(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                                         position_ids=pos).last_hidden_state[:, -mask.shape[1] - 1:-1]
+            full = model.get_output_embeddings()(hidden).float() / a.temperature  # (N, C, V)
+        top = full.topk(a.top_k, -1)
+        token = b["input_ids"][:, -mask.shape[1]:, None]
+        rank = (top.indices == token).float().argmax(-1)  # (N, C); 0 when not among them, checked next
+        assert (top.indices == token).any(-1)[mask.bool()].all()
+        above = (top.values.softmax(-1).cumsum(-1) - top.values.softmax(-1)).gather(-1, rank[..., None])[..., 0]
+        assert (above[mask.bool()] < a.top_p).all()
+
+
 # ============================================================================= tier 3: runs of grpo.py
 KEYS = ["step", "reward/mean", "reward/std", "completion/mean_length", "completion/truncated_frac", "policy/entropy",
         "loss/clipfrac_low", "loss/clipfrac_high", "kl", "grad/norm", "groups/kept", "time/generate", "time/reward",
@@ -1868,42 +2051,82 @@ def test_resume_refuses_another_base_model_and_names_a_changed_file(tiny_dir, tm
     assert [r["step"] for r in metrics(out)] == [1, 2]
 
 
-def start_slow_run(tiny_dir, tmp_path, out, extra=(), cmd=(sys.executable,)):
-    """grpo.py in the background with a judge that takes 0.5 s a call, so that a step spends seconds in its
-    rollout; returns once a training step is in metrics.jsonl."""
-    body = "import time\ndef r(c, a, **kw):  # a slow judge\n    time.sleep(0.5)\n    return len(c) % 3\n"
-    argv = list(cmd) + [os.path.join(HERE, "grpo.py"), "--model", tiny_dir, "--output-dir", out, "--max-steps",
-                        "10000"] + TINY + reward_file(tmp_path, body)[:2] + list(extra)
-    p = subprocess.Popen(argv, cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 180
-    while not (os.path.exists(out + "/metrics.jsonl") and metrics(out)):
-        assert time.time() < deadline and p.poll() is None, p.stderr.read() if p.poll() is not None else "timeout"
-        time.sleep(0.2)
+def held_judge(tmp_path, out, after=0):
+    """A reward a test can hold: while tmp_path/hold exists, once the run's metrics.jsonl holds `after` lines (so
+    never in the start-up check, which comes before the output dir is written), a call writes tmp_path/held<rank>
+    and waits. A test waits on that file, not on the clock: the run is then in a rollout, held in the judge."""
+    (tmp_path / "judge.py").write_text(
+        f"import os, time\nhold, held, log = {str(tmp_path / 'hold')!r}, {str(tmp_path / 'held')!r}, "
+        f"{out + '/metrics.jsonl'!r}\n"
+        "def r(c, a, **kw):\n"
+        f"    if os.path.exists(hold) and os.path.exists(log) and open(log).read().count('\\n') >= {after}:\n"
+        "        open(held + os.environ.get('RANK', '0'), 'w').close()\n"
+        "        while os.path.exists(hold):\n"
+        "            time.sleep(0.05)\n"
+        "    return len(c) % 3\n")
+    return ["--reward-fn", f"{tmp_path}/judge.py:r"]
+
+
+def background(tmp_path, argv):
+    """A process whose stdout and stderr go to files (a pipe that nobody reads can fill and stop it)."""
+    out, err = (open(tmp_path / name, "w") for name in ("stdout", "stderr"))
+    p = subprocess.Popen(argv, cwd=HERE, stdout=out, stderr=err, text=True)
+    p.out, p.err = (tmp_path / "stdout").read_text, (tmp_path / "stderr").read_text
     return p
+
+
+def wait_for(what, ready, p, timeout=240):
+    """Polls ready() until it holds; fails at once, with the process's stderr, if the process ended first, and
+    with a sentence after `timeout` s (a deadline for a hang, never the verdict on a working run)."""
+    deadline = time.time() + timeout
+    while not ready():
+        assert p.poll() is None, f"exited {p.returncode} before {what}:\n{p.err()[-3000:]}"
+        assert time.time() < deadline, f"no {what} after {timeout} s:\n{p.err()[-3000:]}"
+        time.sleep(0.05)
+
+
+def stop(p, sig):
+    """Sends sig and waits for the process to exit (a deadline for a run that wrongly waits on a held judge)."""
+    p.send_signal(sig)
+    try:
+        return p.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise AssertionError(f"still running 120 s after signal {sig}: it waited for the held step") from None
+
+
+def logged(out):
+    """metrics.jsonl's whole lines (a line being written is not read), training steps only."""
+    if not os.path.exists(out + "/metrics.jsonl"):
+        return []
+    with open(out + "/metrics.jsonl") as f:
+        return [r for r in map(json.loads, (line for line in f if line.endswith("\n"))) if r["step"]]
 
 
 def test_a_signal_saves_the_last_step_at_once_and_one_run_holds_the_dir(tiny_dir, tmp_path):
     """SIGTERM (what a scheduler or `kill` sends; Ctrl-C's SIGINT in the next test) that lands in a rollout, here
-    in the slow judge, does not wait for the step: the last completed step is saved at once and the run exits
-    128 + signal, what a scheduler reads as "killed". Meanwhile a second run in the output dir is refused."""
+    in a judge held until the run stops, does not wait for the step: the last completed step is saved at once and
+    the run exits 128 + signal, what a scheduler reads as "killed". Meanwhile a second run in the output dir is
+    refused."""
     out = str(tmp_path / "out")
-    p = start_slow_run(tiny_dir, tmp_path, out, ["--save-every", "1"])
-    while not os.path.exists(out + "/checkpoint"):
-        time.sleep(0.1)
-    with pytest.raises(SystemExit, match=f"--output-dir '{out}' is in use by another run"):
-        main(["--output-dir", out, "--resume", "--max-steps", "20000"])
-    rows = len(metrics(out))
-    while len(metrics(out)) == rows:  # a step has just ended: the next one spends about 4 s in the judge
-        time.sleep(0.05)
-    time.sleep(0.5)
-    t0 = time.time()
-    p.send_signal(signal.SIGTERM)
-    assert p.wait(timeout=60) == 128 + signal.SIGTERM and time.time() - t0 < 3, p.stderr.read()[-3000:]
+    p = background(tmp_path, [sys.executable, os.path.join(HERE, "grpo.py"), "--model", tiny_dir, "--output-dir", out,
+                              "--max-steps", "10000", "--save-every", "1"] + TINY + held_judge(tmp_path, out))
+    try:
+        wait_for("checkpoint", lambda: os.path.exists(out + "/checkpoint"), p)
+        with pytest.raises(SystemExit, match=f"--output-dir '{out}' is in use by another run"):
+            main(["--output-dir", out, "--resume", "--max-steps", "20000"])
+        (tmp_path / "hold").touch()
+        wait_for("held judge", (tmp_path / "held0").exists, p)
+        rows = len(logged(out))  # steps 1..rows are done and saved; step rows + 1 is in its rollout, held
+        assert stop(p, signal.SIGTERM) == 128 + signal.SIGTERM, p.err()[-3000:]
+    finally:
+        (tmp_path / "hold").unlink(missing_ok=True)
+        p.kill()
     step = json.load(open(out + "/checkpoint/grpo_args.json"))["step"]
-    assert step == metrics(out)[-1]["step"] == rows + 1
-    assert p.stdout.read().strip().splitlines()[-1] == f"grpo: stopped at step {step}: --resume to continue " \
-                                                       f"({out}/checkpoint; metrics in {out}/metrics.jsonl)"
-    assert "Traceback" not in p.stderr.read()
+    assert step == metrics(out)[-1]["step"] == rows
+    assert p.out().strip().splitlines()[-1] == f"grpo: stopped at step {step}: --resume to continue " \
+                                              f"({out}/checkpoint; metrics in {out}/metrics.jsonl)"
+    assert "Traceback" not in p.err()
     import peft
     from transformers import AutoModelForCausalLM
     peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dir), out + "/checkpoint")
@@ -2001,17 +2224,16 @@ def test_an_output_dir_that_cannot_be_made_or_that_a_run_deletes_is_refused_firs
 
 def test_a_signal_before_the_first_step_ends_saves_nothing_and_says_so(tiny_dir, tmp_path):
     out = str(tmp_path / "out")
-    body = "import time\ndef r(c, a, **kw):\n    time.sleep(0.5)\n    return len(c) % 3\n"
-    p = subprocess.Popen([sys.executable, os.path.join(HERE, "grpo.py"), "--model", tiny_dir, "--output-dir", out,
-                          "--max-steps", "3"] + TINY + reward_file(tmp_path, body)[:2], cwd=HERE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    while not os.path.exists(out + "/metrics.jsonl") or not open(out + "/metrics.jsonl").read():  # step 0's eval
-        assert p.poll() is None, p.stderr.read()
-        time.sleep(0.1)
-    time.sleep(1)  # inside step 1's judge
-    p.send_signal(signal.SIGINT)
-    assert p.wait(timeout=60) == 128 + signal.SIGINT
-    assert p.stdout.read().strip().splitlines()[-1] == "grpo: stopped before step 1 ended: nothing saved"
+    (tmp_path / "hold").touch()  # step 1's judge is held
+    p = background(tmp_path, [sys.executable, os.path.join(HERE, "grpo.py"), "--model", tiny_dir, "--output-dir", out,
+                              "--max-steps", "3"] + TINY + held_judge(tmp_path, out))
+    try:
+        wait_for("held judge", (tmp_path / "held0").exists, p)
+        assert stop(p, signal.SIGINT) == 128 + signal.SIGINT, p.err()[-3000:]
+    finally:
+        (tmp_path / "hold").unlink()
+        p.kill()
+    assert p.out().strip().splitlines()[-1] == "grpo: stopped before step 1 ended: nothing saved"
     assert not os.path.exists(out + "/checkpoint")
 
 
@@ -2037,10 +2259,8 @@ def test_two_processes_give_the_one_process_update(tiny_dir, tmp_path):
 
 
 TWO_RANKS_REWARD = """import atexit, os, shutil, sys, time
-def r(c, a, **kw):
-    if os.path.exists({slow!r}):  # a slow judge: a rollout lasts seconds
-        time.sleep(0.5)
-    return sum(ch.isdigit() for ch in c) / 10
+def r(c, a, **kw):  # held_judge's reward, without the hold
+    return len(c) % 3
 if {straight!r} in sys.argv and os.environ["RANK"] == "0":  # a slow disk: rank 0's saves take 2 s
     save = sys.modules["__main__"].save
     def slow_save(*args):
@@ -2052,37 +2272,118 @@ if {straight!r} in sys.argv and os.environ["RANK"] == "1":  # rank 1 copies the 
 """
 
 
+RANKS = """
+import itertools, json, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import grpo
+
+here, model_dir, data, out, saved = sys.argv[1:]
+rank, world, device = grpo.setup_distributed()
+grpo.setup_distributed = lambda: (rank, world, device)  # grpo.main() below joins this process group
+result = {}
+if world > 1:  # refused in one line, on every rank, before anything is written
+    for name, argv in (("resume", ["--output-dir", saved, "--resume", "--max-steps", "2"]),
+                       ("divide", ["--model", model_dir, "--output-dir", out + "/odd", "--prompts-per-step", "3"])):
+        try:
+            grpo.main(argv)
+        except SystemExit as e:
+            result[name] = str(e)
+EQ = [1.0, 1.0]  # an all-equal group; the rest differ, each with its own std
+SCHEDULES = {  # rewards by place in the data order: 4 prompts a round, slots 0 and 2 on rank 0, 1 and 3 on rank 1
+    "exact": [[0, 1], EQ, [0, 3], EQ, [0, 2], EQ, [0, 4], EQ, EQ, [0, 5], EQ, [0, 6]],  # 2 kept on rank 0, then 2
+    "overshoot": [EQ, [0, 1], EQ, [0, 3], [0, 2], [0, 5], [0, 4], [0, 6]]}  # 2 kept, then 4 more: cut to B
+a = grpo.parse_args(["--model", model_dir, "--dataset", data, "--prompts-per-step", "4", "--num-generations", "2",
+                     "--max-new-tokens", "4", "--dynamic-sampling", "--max-gen-rounds", "3", "--top-k-groups", "3",
+                     "--soft-reweight", "--scale", "none"])
+torch.manual_seed(0)
+model, tok, _ = grpo.load_model(a, device)
+train, _ = grpo.load_data(a)
+torch.manual_seed(1000 * rank)
+for case, schedule in SCHEDULES.items():
+    order = [ex["prompt"] for ex in itertools.islice(grpo.prompt_stream(train, a.seed), len(schedule))]
+    table, calls = dict(zip(order, schedule)), {}
+    def reward(completion, answer, prompt, **kw):  # the k-th completion of a prompt, whatever its text
+        calls[prompt] = calls.get(prompt, -1) + 1
+        return float(table[prompt][calls[prompt] % 2])
+    kept, stats, _ = grpo.rollout(model, tok, grpo.prompt_stream(train, a.seed), [("r", reward, 1.0)], None, a,
+                                  None, rank, world)
+    groups = sum(grpo.all_gather([[g["prompt"], g["rewards"].tolist(), g["adv"].tolist()] for g in kept]), [])
+    result[case] = [sorted(groups), {k: v for k, v in stats.items() if k.startswith(("groups/kept", "groups/gen",
+                                                                                      "adv/"))}]
+if rank == 0:
+    json.dump(result, open(out + ".json", "w"))
+if world > 1:
+    torch.distributed.destroy_process_group()
+"""
+
+
+def test_two_processes_filter_as_one_and_refuse_what_they_cannot_run(tiny_dir, tmp_path):
+    """Dynamic sampling (kept groups counted over the ranks), top-k over every rank's groups and soft reweighting
+    by the largest std among them: a rollout on 2 ranks keeps the groups that one process keeps, with the same
+    advantages (rewards set by each prompt's place in the data order, whatever was sampled). And under torchrun,
+    --resume of a one-process run and a --prompts-per-step that does not divide over the ranks are refused in
+    one line, before anything is written."""
+    data = write(tmp_path / "data.jsonl", [json.dumps({"prompt": f"Question {i}?", "answer": "1"}) for i in range(40)])
+    saved = str(tmp_path / "saved")
+    main(["--model", tiny_dir, "--output-dir", saved, "--max-steps", "1", "--eval-every", "0"] + TINY)
+    before = (tmp_path / "saved" / "metrics.jsonl").read_text()
+    (tmp_path / "ranks.py").write_text(RANKS)
+    for name, cmd in (("one", [sys.executable]), ("two", TORCHRUN)):
+        p = subprocess.run(cmd + [str(tmp_path / "ranks.py"), HERE, tiny_dir, data, str(tmp_path / name), saved],
+                           cwd=HERE, capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+    one, two = (json.load(open(tmp_path / f"{name}.json")) for name in ("one", "two"))
+    assert two.pop("resume") == "grpo: error: --resume: the saved run ran on 1 processes, this one on 2"
+    assert two.pop("divide").startswith("grpo: error: --prompts-per-step 3 must divide over 2 ranks")
+    assert not (tmp_path / "two" / "odd").exists() and (tmp_path / "saved" / "metrics.jsonl").read_text() == before
+    groups, stats = one["exact"]
+    assert stats == pytest.approx({"groups/kept": 3, "groups/gen_rounds": 2, "adv/soft_weight_min": 0.5,
+                                   "adv/soft_weight_mean": 0.75, "adv/soft_weight_max": 1.0}, rel=1e-5)
+    kept = sorted((r, adv) for _, r, adv in groups)  # the top 3 by std, A = (R - mean) w
+    assert [r for r, _ in kept] == [[0, 2], [0, 3], [0, 4]]
+    assert [adv for _, adv in kept] == [pytest.approx([-x, x], rel=1e-5) for x in (1 * 0.5, 1.5 * 0.75, 2 * 1.0)]
+
+    def same(x, y):  # the same groups, rewards, advantages and metrics (to float rounding)
+        return [g[:2] for g in x[0]] == [g[:2] for g in y[0]] and x[1] == pytest.approx(y[1], rel=1e-5) and \
+            sum((g[2] for g in x[0]), []) == pytest.approx(sum((g[2] for g in y[0]), []), rel=1e-5)
+    assert same(two["exact"], one["exact"]), (two["exact"], one["exact"])
+    assert same(two["overshoot"], one["overshoot"]), (two["overshoot"], one["overshoot"])  # the cut to B
+
+
 def test_two_processes_mixed_pool_refill_sigterm_and_resume(tiny_dir, tmp_path):
     """2 ranks, DAPO's refill in mixed-pool mode: one metrics file and checkpoint (rank 0). The ranks leave
     together: rank 1 waits for rank 0's last save (one that leaves sooner may die at exit). SIGTERM to torchrun
     (which forwards it to every rank and kills them 30 s later) during a rollout: rank 0 saves the last completed
     step at once, and --resume from it to step 3 gives the straight 3-step run, bit for bit (each rank's random
     states and teacher draws restored)."""
-    slow = tmp_path / "slow"  # while it exists the judge takes 0.5 s a call
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     left = tmp_path / "left.json"
-    (tmp_path / "rw.py").write_text(TWO_RANKS_REWARD.format(slow=str(slow), straight=straight, left=str(left)))
+    (tmp_path / "rw.py").write_text(TWO_RANKS_REWARD.format(straight=straight, left=str(left)))
     args = [os.path.join(HERE, "grpo.py"), "--algo", "dapo", "--model", tiny_dir, "--teacher-per-group", "2",
-            "--split-grads", "--max-gen-rounds", "2", "--max-steps", "3", "--reward-fn", f"{tmp_path}/rw.py:r",
-            "--rewards", "correct"] + TINY + mixed_files(tmp_path)
-    subprocess.run(TORCHRUN + args + ["--output-dir", straight], cwd=HERE, check=True, capture_output=True)
+            "--split-grads", "--max-gen-rounds", "2", "--max-steps", "3", "--rewards", "correct"] + TINY \
+        + ["--eval-every", "0"] + mixed_files(tmp_path)
+    subprocess.run(TORCHRUN + args + ["--reward-fn", f"{tmp_path}/rw.py:r", "--output-dir", straight], cwd=HERE,
+                   check=True, capture_output=True)
+    args += held_judge(tmp_path, split, after=1)  # once step 1 is logged, step 2's rollout is held
     assert left.exists() and json.loads(left.read_text())["step"] == 3, "rank 1 left before rank 0's last save"
     rows = metrics(straight)
     assert [r["step"] for r in rows] == [1, 2, 3]  # one file, written by rank 0 alone
     assert all(r["groups/kept"] <= 2 and "grad/cos_student_teacher" in r for r in rows if r["groups/kept"])
-    slow.touch()
-    p = subprocess.Popen(TORCHRUN + args + ["--output-dir", split], cwd=HERE, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    while not (os.path.exists(split + "/metrics.jsonl") and metrics(split)):
-        assert p.poll() is None, p.stderr.read()
-        time.sleep(0.1)
-    t0 = time.time()
-    p.send_signal(signal.SIGTERM)
-    p.wait(timeout=90)
-    assert time.time() - t0 < 25  # within torchrun's 30 s
+    (tmp_path / "hold").touch()
+    p = background(tmp_path, TORCHRUN + args + ["--output-dir", split])
+    try:
+        wait_for("held judge on rank 0", (tmp_path / "held0").exists, p)
+        p.send_signal(signal.SIGTERM)  # torchrun forwards it to every rank
+        wait_for("rank 0's stop", lambda: "grpo: stopped at step" in p.out(), p)
+        (tmp_path / "hold").unlink()  # rank 1 goes on, finds rank 0 gone, and ends
+        p.wait(timeout=120)
+    finally:
+        (tmp_path / "hold").unlink(missing_ok=True)
+        p.kill()
+    assert "Unable to shutdown process" not in p.err(), p.err()[-3000:]  # no rank was left for torchrun to kill
     step = json.load(open(split + "/checkpoint/grpo_args.json"))["step"]
-    assert 1 <= step < 3 and step == metrics(split)[-1]["step"]
-    slow.unlink()
+    assert step == metrics(split)[-1]["step"] == 1
     cli(["--output-dir", split, "--resume"], cmd=TORCHRUN)
     assert steady(metrics(split)) == steady(rows)
     a, b = trained(straight), trained(split)
@@ -2092,15 +2393,19 @@ def test_two_processes_mixed_pool_refill_sigterm_and_resume(tiny_dir, tmp_path):
 # ----------------------------------------------------------------------------- does it learn?
 def test_reward_rises_on_a_toy_task(tmp_path):
     """An honest learning check (bench/learn.py, shortened and seeded): a tiny model after a short supervised
-    warm-up on 'a+b=' is trained by grpo.py (Dr. GRPO); the sampled reward (= accuracy) of the last 10 steps
-    beats the first 10 by a clear margin."""
+    warm-up on 'a+b=' is trained by grpo.py (Dr. GRPO) for 100 steps; the sampled reward (= accuracy) of the last
+    20 steps beats the first 10 by a clear margin. The margin is float rounding's to choose, not the seed's
+    alone (a machine that rounds otherwise warms up another model): measured on one machine over seeds 0-5 it
+    was 0.26 0.28 0.35 0.25 0.25 0.36, and at 60 steps, last 10 against first 10, 0.15 on another machine where
+    the same seed gave 0.23 here. 0.1 leaves the worst of them twice the room; a run that does not learn moves
+    it by about 0.01 (the noise of 10 steps of 256 samples)."""
     sys.path.insert(0, os.path.join(HERE, "bench"))
     import learn
     data = learn.task()
     model = str(tmp_path / "warm")
     learn.warmup(model, data, steps=200)
     path = write(tmp_path / "task.jsonl", [json.dumps(d) for d in data])
-    rows, _ = learn.run(str(tmp_path / "out"), model, path, 60, ["--algo", "drgrpo"])
+    rows, _ = learn.run(str(tmp_path / "out"), model, path, 100, ["--algo", "drgrpo"])
     reward = [r["reward/mean"] for r in rows]
-    start, end = sum(reward[:10]) / 10, sum(reward[-10:]) / 10
-    assert end - start > 0.2, (start, end)
+    start, end = sum(reward[:10]) / 10, sum(reward[-20:]) / 20
+    assert end - start > 0.1, (start, end)
