@@ -209,47 +209,6 @@ def check_args(a: Args):
         if bad:
             fail(msg)
 
-def describe(a: Args) -> str:
-    """--dry-run: the objective the resolved flags optimise, its terms in the order token_objective builds
-    them, then every flag. Each flag that changes the objective changes this text (a test checks)."""
-    clip = f"clip(r, 1-{a.eps_low:g}, 1+{a.eps_high:g})"
-    sapo = f"4/τ·σ(τ(r-1))·A_i, τ = {a.sapo_tau_pos:g} if A_i > 0 else {a.sapo_tau_neg:g}"
-    term = {"clip": f"min(r·A_i, {clip}·A_i)", "cispo": f"sg({clip})·A_i·log π_θ",
-            "sapo": sapo}[a.surrogate]
-    if a.dual_clip:
-        term = f"max({term}, {a.dual_clip:g}·A_i if A_i < 0)"
-    if a.tis:
-        term = f"min(π_old/π_sampler, {a.tis:g})·{term}"
-    if a.beta:
-        term += f" - {a.beta:g}·KL_{a.kl}"
-    norm = {"token-mean": "Σ_i |o_i|", "seq-mean-token-mean": "n_seq |o_i|", "seq-mean-token-sum": "n_seq",
-            "seq-mean-token-sum-norm": f"n_seq·{a.max_new_tokens}"}[a.loss_agg]
-    ratio = {"token": "π_θ/π_old per token", "sequence": "s_i = exp(mean_t log π_θ/π_old)"}[a.ratio]
-    old = f"π_old = π_θ before the first of {a.num_iterations} updates on a batch"
-    if a.num_iterations == 1:
-        old = "π_old = sg(π_θ): one update a batch, r = 1"
-    adv = {"std": f"(R_i - mean_g(R)) / (std_g(R) + {a.std_eps:g})", "none": "R_i - mean_g(R)"}[a.scale]
-    if a.soft_reweight:
-        adv += f"  ·  std_g / (max_g' std_g' + {a.std_eps:g})"
-    reward = " + ".join(filter(None, [a.rewards.replace(",", " + "), a.reward_fn]))
-    if a.overlong_penalty:
-        reward += f" + overlong(L_cache={a.overlong_buffer})"
-    filters = {f"dynamic sampling (≤{a.max_gen_rounds} rounds)": a.dynamic_sampling,
-               f"top-{a.top_k_groups} groups by std": a.top_k_groups, "truncated masked": a.mask_truncated}
-    lines = [f"J(θ) = E_q [ Σ_i Σ_t ({term}) / ({norm}) ],  r = {ratio}", f"  {old}",
-             f"  o_1..{a.num_generations} ~ π_old(·|q), temperature {a.temperature:g}, top-p {a.top_p:g}, "
-             f"top-k {a.top_k}, |o_i| ≤ {a.max_new_tokens}; B = {a.prompts_per_step} prompts q a step",
-             f"  A_i = {adv}", f"  R = {reward}",
-             f"  filters: {', '.join(k for k, on in filters.items() if on) or 'none'}"]
-    if a.teacher_pool:
-        lines.append(f"  + G_t = {a.teacher_per_group} teacher o_i a group ({a.teacher_pool}), R frozen; "
-                     "on their rows π_old = π_θ at the step's start")
-    if a.split_grads:
-        lines.append("  ∇J = g_s + g_t: student and teacher rows backpropagated apart (edit_source_grads)")
-    flags = " ".join(f"{dash(k)} {v!r}" for k, v in vars(a).items())
-    return "\n".join(lines + ["", textwrap.fill(flags, 100)])
-
-
 # ----------------------------------------------------------------------------- data
 HELD_OUT = 2900  # problems the built-in task holds out: about one in four of its 11,803
 
@@ -878,7 +837,7 @@ def edit_source_grads(grads: dict, params: list) -> dict:
 
 # ============================================================================= run-keeping
 # Nothing below changes the algorithm: evaluation, processes, checkpoints and resume, the output dir, logs,
-# signals, and main(), the loop.
+# signals, --dry-run's formula, and main(), the loop.
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     return 1 - math.comb(n - c, k) / math.comb(n, k)
@@ -1130,6 +1089,46 @@ def end_step(run, a: Args, step: int, m: dict, generated: list[dict]) -> bool:
         save(run.model, run.tok, a, {**run.done, "optimizer": run.opt.state_dict()})
         run.saved = step
     return stopping
+
+def describe(a: Args) -> str:
+    """--dry-run: the objective the resolved flags optimise, its terms in the order token_objective builds
+    them, then every flag. Each flag that changes the objective changes this text (a test checks)."""
+    clip = f"clip(r, 1-{a.eps_low:g}, 1+{a.eps_high:g})"
+    sapo = f"4/τ·σ(τ(r-1))·A_i, τ = {a.sapo_tau_pos:g} if A_i > 0 else {a.sapo_tau_neg:g}"
+    term = {"clip": f"min(r·A_i, {clip}·A_i)", "cispo": f"sg({clip})·A_i·log π_θ",
+            "sapo": sapo}[a.surrogate]
+    if a.dual_clip:
+        term = f"max({term}, {a.dual_clip:g}·A_i if A_i < 0)"
+    if a.tis:
+        term = f"min(π_old/π_sampler, {a.tis:g})·{term}"
+    if a.beta:
+        term += f" - {a.beta:g}·KL_{a.kl}"
+    norm = {"token-mean": "Σ_i |o_i|", "seq-mean-token-mean": "n_seq |o_i|", "seq-mean-token-sum": "n_seq",
+            "seq-mean-token-sum-norm": f"n_seq·{a.max_new_tokens}"}[a.loss_agg]
+    ratio = {"token": "π_θ/π_old per token", "sequence": "s_i = exp(mean_t log π_θ/π_old)"}[a.ratio]
+    old = f"π_old = π_θ before the first of {a.num_iterations} updates on a batch"
+    if a.num_iterations == 1:
+        old = "π_old = sg(π_θ): one update a batch, r = 1"
+    adv = {"std": f"(R_i - mean_g(R)) / (std_g(R) + {a.std_eps:g})", "none": "R_i - mean_g(R)"}[a.scale]
+    if a.soft_reweight:
+        adv += f"  ·  std_g / (max_g' std_g' + {a.std_eps:g})"
+    reward = " + ".join(filter(None, [a.rewards.replace(",", " + "), a.reward_fn]))
+    if a.overlong_penalty:
+        reward += f" + overlong(L_cache={a.overlong_buffer})"
+    filters = {f"dynamic sampling (≤{a.max_gen_rounds} rounds)": a.dynamic_sampling,
+               f"top-{a.top_k_groups} groups by std": a.top_k_groups, "truncated masked": a.mask_truncated}
+    lines = [f"J(θ) = E_q [ Σ_i Σ_t ({term}) / ({norm}) ],  r = {ratio}", f"  {old}",
+             f"  o_1..{a.num_generations} ~ π_old(·|q), temperature {a.temperature:g}, top-p {a.top_p:g}, "
+             f"top-k {a.top_k}, |o_i| ≤ {a.max_new_tokens}; B = {a.prompts_per_step} prompts q a step",
+             f"  A_i = {adv}", f"  R = {reward}",
+             f"  filters: {', '.join(k for k, on in filters.items() if on) or 'none'}"]
+    if a.teacher_pool:
+        lines.append(f"  + G_t = {a.teacher_per_group} teacher o_i a group ({a.teacher_pool}), R frozen; "
+                     "on their rows π_old = π_θ at the step's start")
+    if a.split_grads:
+        lines.append("  ∇J = g_s + g_t: student and teacher rows backpropagated apart (edit_source_grads)")
+    flags = " ".join(f"{dash(k)} {v!r}" for k, v in vars(a).items())
+    return "\n".join(lines + ["", textwrap.fill(flags, 100)])
 
 def main(argv=None):
     a = parse_args(argv)
