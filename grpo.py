@@ -76,7 +76,7 @@ class Args:
     output_dir: str = flag("grpo_out", "checkpoint/ and metrics.jsonl go here")
     resume: bool = flag(False, "continue the run saved in --output-dir, with its flags")
     overwrite: bool = flag(False, "start over in an --output-dir that holds a run, deleting it")
-    max_steps: int = flag(200, "optimizer steps (x num_iterations)")
+    max_steps: int = flag(200, "steps: a rollout each, and num_iterations optimizer updates on it")
     seed: int = flag(0, "seeds the data order, sampling (+1000 * rank) and the LoRA init")
     dry_run: bool = flag(False, "print the objective the flags optimise and the flags, then exit")
     save_every: int = flag(50, "steps between checkpoints (0: only at the end)")
@@ -733,7 +733,8 @@ def aggregate_loss(loss, mask, mode: str, max_len: int, n_seqs=None, n_tokens=No
 def token_objective(logp, entropy, old_logp, ref_logp, sampler_logp, adv, mask, a: Args):
     """The per-token loss (N, C) of a micro-batch, before aggregation, its terms in --dry-run's order; and
     its diagnostics (N, C) by name, each logged as its mean over the trained tokens where it is finite.
-    FORKER: a new term or token weight is a line here, and a new metric a line in `diag`."""
+    FORKER: a new term or token weight is a line here, and a new metric a line in `diag`. This sees one
+    micro-batch: a statistic over the step (a quantile, a batch std) is computed in rollout or loss_rows."""
     loss, diag = policy_loss(logp, old_logp, adv, mask, a)  # the surrogate
     # the sampler's own log-probs (NaN on teacher rows): their gap to the trainer's is its health check
     known = (mask > 0) & sampler_logp.isfinite()
@@ -764,7 +765,8 @@ def loss_rows(batch: dict, a: Args):
 
 def train_step(model, ref_model, opt, batch: dict, a: Args) -> dict:
     """num_iterations optimizer steps on one rollout batch: micro-batches, backward (--split-grads: student
-    and teacher rows apart), the gradient summed over ranks. Metrics over the trained rows of every rank."""
+    and teacher rows apart), the gradient summed over ranks. Metrics over the trained rows of every rank,
+    from the last update."""
     params = [p for p in model.parameters() if p.requires_grad]
     dev = params[0].device
     mask, n_seqs, n_tokens, rows = loss_rows(batch, a)

@@ -78,10 +78,14 @@ def final_answer(text: str) -> tuple[str | None, str]:
                             ("hashes", hashes[-1] if hashes else None)):
             if found is not None:
                 return found, kind
-        phrases = [m.group(1) for m in _PHRASE.finditer(part)]
-        if phrases:  # the sentence after the last phrase, not the reasoning that follows it
-            cut = _SENTENCE_END.search(phrases[-1], 1)
-            return (phrases[-1][:cut.start()] if cut else phrases[-1]), "phrase"
+        phrase = None
+        found = _PHRASE.search(part)
+        while found:  # the last phrase, on the line of an earlier one too
+            phrase = found.group(1)
+            found = _PHRASE.search(part, found.start(1))
+        if phrase:  # the sentence after the last phrase, not the reasoning that follows it
+            cut = _SENTENCE_END.search(phrase, 1)
+            return (phrase[:cut.start()] if cut else phrase), "phrase"
     return last_number(text), "last"
 
 

@@ -510,9 +510,7 @@ ANSWER_STYLES = [
     ("#### 3\nNo, I miscounted.\n#### 4", "3", False),
     ("The answer is 3.\nNo, wait: the answer is 4.", "4", True),
     ("The answer is 3.\nNo, wait: the answer is 4.", "3", False),
-    pytest.param("The answer is 3. No, wait: the answer is 4.", "4", True, marks=pytest.mark.xfail(
-        strict=True, reason="rewards.py: _PHRASE's [^\\n]{1,300} swallows a later 'answer is' on the same line, "
-                            "so the first phrase of a line is graded, not the last")),
+    ("The answer is 3. No, wait: the answer is 4.", "4", True),  # the last phrase of a line
 ]
 
 
@@ -798,8 +796,9 @@ def test_dry_run_shows_every_flag_that_changes_the_objective():
     for f in grpo.dataclasses.fields(grpo.Args):
         if f.name in NOT_THE_OBJECTIVE:
             continue
-        if not any(formula(replace(b, **{f.name: alt})) != formula(b)
-                   for b in bases for alt in others(f, getattr(b, f.name))):
+        changed = [formula(replace(b, **{f.name: alt})) != formula(b)  # every choice renders
+                   for b in bases for alt in others(f, getattr(b, f.name))]
+        if not any(changed):
             unseen.append(f.name)
     assert unseen == []
     assert NOT_THE_OBJECTIVE < set(grpo.Args.__dataclass_fields__)  # no stale names
