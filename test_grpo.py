@@ -1012,7 +1012,7 @@ def test_full_fine_tuning_kl_is_against_a_frozen_copy_of_the_start(tiny_dir):
         k3 = ((d.exp() - d - 1) * batch["mask"]).sum() / batch["mask"].sum()
         kls.append(grpo.train_step(model, ref, opt, batch, a)["kl"])
         assert kls[-1] == pytest.approx(k3.item(), rel=1e-4, abs=1e-12)
-    assert kls[0] == 0 and 0 < kls[1] < kls[2]
+    assert kls[0] == pytest.approx(0, abs=1e-8) and 0.001 < kls[1] < kls[2]
     assert all(torch.equal(v, frozen[k]) for k, v in ref.state_dict().items())
 
 
@@ -2058,8 +2058,7 @@ def test_reward_rises_on_a_toy_task(tmp_path):
     20 steps beats the first 10 by a clear margin. Float rounding moves the margin as a seed does (another
     machine warms up another model): over seeds 0-5 it was 0.26 0.28 0.35 0.25 0.25 0.36 here. At 60 steps
     (last 10 against first 10: 0.20 to 0.24 here) a 0.2 margin failed on a machine that gave 0.15. 0.1 leaves
-    the worst seed 2.5 times the room, while a run that does not learn moves it by about 0.01 (the noise of
-    10 steps of 256 samples)."""
+    the worst seed 2.5 times the room, while a run that does not learn (learning rate 1e-12) moved it by 0.02."""
     sys.path.insert(0, os.path.join(HERE, "bench"))
     import learn
     data = learn.task()
