@@ -1144,7 +1144,7 @@ def test_full_fine_tuning_kl_is_against_a_frozen_copy_of_the_start(tiny_dir):
         k3 = ((d.exp() - d - 1) * batch["mask"]).sum() / batch["mask"].sum()
         kls.append(grpo.train_step(model, ref, opt, batch, a)["kl"])
         assert kls[-1] == pytest.approx(k3.item(), rel=1e-4, abs=1e-12)
-    assert kls[0] == 0 and 0 < kls[1] < kls[2]
+    assert kls[0] == pytest.approx(0, abs=1e-8) and 0.001 < kls[1] < kls[2]
     assert all(torch.equal(v, frozen[k]) for k, v in ref.state_dict().items())
 
 
@@ -1830,12 +1830,6 @@ def test_tiny_py_builds_a_model_from_the_command_line(tmp_path, monkeypatch, cap
         runpy.run_path(os.path.join(HERE, "tiny.py"), run_name="__main__")
 
 
-def test_warmup_raises_the_learning_rate_linearly_then_holds(tiny_dir, tmp_path):
-    out = str(tmp_path / "out")
-    main(["--model", tiny_dir, "--max-steps", "5", "--warmup-steps", "4", "--output-dir", out] + TINY)
-    assert [r["lr"] for r in metrics(out)] == pytest.approx([1e-3 * k / 4 for k in (1, 2, 3, 4, 4)])
-
-
 def test_full_fine_tuning_in_bf16_samples_uncompiled_with_a_note(tiny_dir, tmp_path, capsys):
     """bf16 autocast over fp32 weights gives keys (rotated in fp32) and values (bf16) two dtypes, which one static
     KV cache cannot hold (seen on an H100): that run samples uncompiled, and says so."""
@@ -1930,9 +1924,10 @@ def test_resume_continues_the_run_bit_for_bit_from_anywhere(tiny_dir, tmp_path):
     """4 steps in one run == 2 steps, stop, --resume to 4: the same metrics and the same adapter, bit for bit
     (optimizer, prompt stream with dynamic sampling's refills, torch and python RNG restored), so a run repeats
     itself. The resumed run starts in another directory (the relative paths were saved absolute), gives the
-    teacher pool at a new path, and evaluates on more prompts: none of which changes what it trains."""
+    teacher pool at a new path, and evaluates on more prompts: none of which changes what it trains. The
+    learning rate warms up linearly over 3 steps, then holds (DAPO's warm-up), across the resume too."""
     common = ["--algo", "dapo", "--model", tiny_dir, "--teacher-per-group", "1", "--max-gen-rounds", "2"] + TINY \
-        + mixed_files(tmp_path, relative=True) + ["--reward-fn", "rw.py:digits"]
+        + mixed_files(tmp_path, relative=True) + ["--reward-fn", "rw.py:digits", "--warmup-steps", "3"]
     reward_file(tmp_path)
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     main(common + ["--output-dir", straight, "--max-steps", "4"], cwd=tmp_path)
@@ -1946,6 +1941,7 @@ def test_resume_continues_the_run_bit_for_bit_from_anywhere(tiny_dir, tmp_path):
                                                 f"{split}/metrics.jsonl"
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in steady(rows)]  # noqa
     assert strip(metrics(split)) == strip(metrics(straight)) and len(metrics(split)) == 4
+    assert [r["lr"] for r in metrics(straight)] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3])
     a, b = trained(straight), trained(split)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert json.load(open(split + "/checkpoint/grpo_args.json"))["teacher_pool"] == str(moved / "pool.jsonl")
@@ -2393,11 +2389,10 @@ def test_two_processes_mixed_pool_refill_sigterm_and_resume(tiny_dir, tmp_path):
 def test_reward_rises_on_a_toy_task(tmp_path):
     """An honest learning check (bench/learn.py, shortened and seeded): a tiny model after a short supervised
     warm-up on 'a+b=' is trained by grpo.py (Dr. GRPO) for 100 steps; the sampled reward (= accuracy) of the last
-    20 steps beats the first 10 by a clear margin. The margin is float rounding's to choose, not the seed's
-    alone (a machine that rounds otherwise warms up another model): measured on one machine over seeds 0-5 it
-    was 0.26 0.28 0.35 0.25 0.25 0.36, and at 60 steps, last 10 against first 10, 0.15 on another machine where
-    the same seed gave 0.23 here. 0.1 leaves the worst of them twice the room; a run that does not learn moves
-    it by about 0.01 (the noise of 10 steps of 256 samples)."""
+    20 steps beats the first 10 by a clear margin. Float rounding moves the margin as a seed does (another
+    machine warms up another model): over seeds 0-5 it was 0.26 0.28 0.35 0.25 0.25 0.36 here. At 60 steps
+    (last 10 against first 10: 0.20 to 0.24 here) a 0.2 margin failed on a machine that gave 0.15. 0.1 leaves
+    the worst seed 2.5 times the room, while a run that does not learn (learning rate 1e-12) moved it by 0.02."""
     sys.path.insert(0, os.path.join(HERE, "bench"))
     import learn
     data = learn.task()
