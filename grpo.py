@@ -975,7 +975,8 @@ def on_signal(run):
         if run.rank == 0 and not run.busy:
             raise KeyboardInterrupt  # (not an Exception: a reward's `except Exception` cannot swallow it)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, handler)
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # under nohup, or a background job: stays ignored
+            signal.signal(sig, handler)
 
 def check_output_dir(a: Args):  # before anything loads
     out = pathlib.Path(a.output_dir).resolve()
@@ -1026,7 +1027,8 @@ def start(a: Args):
             torch.cuda.set_rng_state(state["rng"][rank]["cuda"])
     stream = itertools.islice(prompt_stream(train, a.seed), state["prompts_drawn"], None)  # where it left off
     from tqdm import tqdm
-    bar = tqdm(range(state["step"] + 1, a.max_steps + 1), desc=a.algo, disable=rank > 0)
+    steps = range(state["step"] + 1, a.max_steps + 1)
+    bar = tqdm(steps, desc=a.algo, disable=rank > 0, initial=state["step"], total=a.max_steps)
     run = types.SimpleNamespace(rank=rank, world=world, device=device, model=model, tok=tok, opt=opt, bar=bar,
                                 ref_model=ref_model, sampler=sampler, reward_fns=reward_fns, pool=pool,
                                 evals=evals, stream=stream, start=state["step"], busy=False, stop=0, flat=0)
@@ -1192,4 +1194,8 @@ def finish(run, a: Args):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:  # a late signal must not kill the exit: Python gives a handled one its default action as it ends
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)

@@ -2189,6 +2189,14 @@ def test_a_signal_inside_the_last_save_leaves_a_finished_run(tiny_dir, tmp_path,
                                                                f"in {out}/metrics.jsonl"
 
 
+def test_an_ignored_signal_stays_ignored():
+    """Under nohup (SIGHUP ignored) a closed terminal does not stop the run; the others are handled."""
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    grpo.on_signal(grpo.types.SimpleNamespace(stop=0, rank=0, busy=False))
+    assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN and signal.getsignal(signal.SIGTERM) is not \
+        signal.SIG_IGN
+
+
 def test_ctrl_c_while_starting_is_one_line(tiny_dir, tmp_path, monkeypatch, capsys):
     def interrupted(*args, **kw):
         raise KeyboardInterrupt  # what Ctrl-C raises while the model loads
