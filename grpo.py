@@ -38,7 +38,6 @@ import statistics
 import sys
 import textwrap
 import time
-import types
 import zlib
 from contextlib import nullcontext
 
@@ -144,9 +143,7 @@ RESUMABLE = {"resume", "output_dir", "max_steps", "save_every", "eval_every", "e
 def parse_args(argv=None) -> Args:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], argument_default=argparse.SUPPRESS)
     for f in dataclasses.fields(Args):
-        kind = dict(type=type(f.default))
-        if f.type in (bool, "bool"):
-            kind = dict(action=argparse.BooleanOptionalAction)
+        kind = dict(action=argparse.BooleanOptionalAction) if f.type is bool else dict(type=f.type)
         parser.add_argument(dash(f.name), help=f"{f.metadata['help']} [{f.default!r}]",
                             choices=f.metadata["choices"] or None, **kind)
     given = vars(parser.parse_args(argv))
@@ -154,7 +151,7 @@ def parse_args(argv=None) -> Args:
     saved = {}  # the checkpoint's grpo_args.json, on --resume
     if given.get("resume"):  # the saved run's flags are the defaults
         out = given.get("output_dir", Args.output_dir)
-        with open(os.path.join(resume_checkpoint(out), "grpo_args.json")) as f:
+        with open(os.path.join(last_checkpoint(out, resume=True), "grpo_args.json")) as f:
             saved = json.load(f)
         defaults = {k: v for k, v in saved.items() if k in Args.__dataclass_fields__}
         for k, v in given.items():
@@ -180,14 +177,13 @@ def parse_args(argv=None) -> Args:
 
 def check_args(a: Args):
     """Flags that would misbehave silently, or fail late, fail here: the first found, with what to change."""
-    for name, value in dataclasses.asdict(a).items():  # every number flag is finite and >= 0
-        if type(value) in (int, float) and not (math.isfinite(value) and value >= 0):
-            fail(f"{dash(name)} must be a finite number >= 0, not {value}")
-    for name in ("max_steps prompts_per_step num_generations max_new_tokens max_gen_rounds micro_batch_size "
-                 "num_iterations eval_prompts temperature std_eps sapo_tau_pos sapo_tau_neg lora_alpha "
-                 "learning_rate top_p").split():
-        if getattr(a, name) == 0:
-            fail(f"{dash(name)} must be > 0")
+    positive = ("max_steps prompts_per_step num_generations max_new_tokens max_gen_rounds micro_batch_size "
+                "num_iterations eval_prompts temperature std_eps sapo_tau_pos sapo_tau_neg lora_alpha "
+                "learning_rate top_p").split()
+    for name, value in dataclasses.asdict(a).items():  # every number flag is finite and >= 0; these > 0
+        floor = 0 if name in positive else -1  # value > floor
+        if type(value) in (int, float) and not (math.isfinite(value) and value >= 0 and value > floor):
+            fail(f"{dash(name)} must be a finite number {'> 0' if floor == 0 else '>= 0'}, not {value}")
     checks = [
         (a.top_p > 1, "--top-p must be in (0, 1]"),
         (a.eps_low >= 1, "--eps-low must be in [0, 1)"),
@@ -204,7 +200,8 @@ def check_args(a: Args):
                                                              "and --teacher-per-group G_T > 0"),
         (a.split_grads and not a.teacher_pool, "--split-grads needs --teacher-pool (the teacher half)"),
         (a.dataset == "" and a.eval_prompts > HELD_OUT, f"--eval-prompts: the built-in task has {HELD_OUT}"),
-        (not a.rewards and not a.reward_fn, "no reward: give --rewards and/or --reward-fn")]
+        (not a.rewards and not a.reward_fn, "no reward: give --rewards and/or --reward-fn"),
+        (a.wandb_project and not importlib.util.find_spec("wandb"), "--wandb-project: `pip install wandb`")]
     for bad, msg in checks:
         if bad:
             fail(msg)
@@ -240,8 +237,7 @@ def read_records(source: str, split: str) -> list[tuple[str, dict]]:
     """(where, record): a JSONL file's lines, else the rows of NAME[:CONFIG][@SPLIT] through `datasets`."""
     if os.path.isfile(source) or source.endswith(".jsonl"):
         try:
-            with open(source, "rb") as f:
-                lines = f.read().splitlines()
+            lines = pathlib.Path(source).read_bytes().splitlines()
         except OSError as e:
             fail(f"{source}: {e.strerror}")
         rows = []
@@ -892,19 +888,17 @@ def damaged(ckpt: str) -> str | None:  # its first file missing or cut (a copy c
     now = {entry.name: entry.stat().st_size for entry in os.scandir(ckpt)}
     return next((name for name in sizes if now.get(name) != sizes[name]), None)
 
-def last_checkpoint(output_dir: str) -> str | None:  # .old: whole when a save was killed between its renames
+def last_checkpoint(output_dir: str, resume: bool = False) -> str | None:
+    """checkpoint/, else .old/ (whole when a save was killed between its renames); resume: one is needed, and
+    a damaged one is named."""
     paths = [os.path.join(output_dir, "checkpoint"), os.path.join(output_dir, "checkpoint.old")]
-    return next((path for path in paths if os.path.isdir(path) and not damaged(path)), None)
-
-def resume_checkpoint(output_dir: str) -> str:  # the last whole checkpoint; a damaged one is named
-    first = os.path.join(output_dir, "checkpoint")
-    bad = [f"{p}/{damaged(p)}" for p in (first, first + ".old") if os.path.isdir(p) and damaged(p)]
-    ckpt = last_checkpoint(output_dir)
-    if ckpt is None and bad:
+    bad = [f"{path}/{damaged(path)}" for path in paths if os.path.isdir(path) and damaged(path)]
+    ckpt = next((path for path in paths if os.path.isdir(path) and not damaged(path)), None)
+    if resume and bad and ckpt is None:
         fail(f"--resume: {bad[0]} is missing or cut, and no other checkpoint is whole: restore it")
-    if ckpt is None:  # (a run that stopped before its first save leaves none)
+    if resume and ckpt is None:  # (a run that stopped before its first save leaves none)
         fail(f"--resume: no checkpoint in {output_dir!r}")
-    if bad and ckpt != first:
+    if resume and bad:
         print(f"grpo: {bad[0]} is missing or cut: resuming from {ckpt}", file=sys.stderr)
     return ckpt
 
@@ -1006,8 +1000,6 @@ def start(a: Args):
     reward_fns = build_rewards(a)
     train, evals = load_data(a, reward_fns)
     score([train[0]["answer"], ""], [train[0]] * 2, [1, 1], reward_fns, a)  # a broken reward fails here
-    if a.wandb_project and importlib.util.find_spec("wandb") is None:
-        fail("--wandb-project needs `pip install wandb`")
     torch.manual_seed(a.seed)  # the same LoRA init on every rank
     model, tok, ref_model = load_model(a, device, ckpt if a.resume else None)
     pool = load_teacher_pool(a, train, tok) if a.teacher_pool else None
@@ -1020,7 +1012,7 @@ def start(a: Args):
     torch.manual_seed(a.seed + 1000 * rank)  # sampling and teacher draws differ per rank, and repeat per run
     random.seed(a.seed + 1000 * rank)
     if a.resume:
-        opt.load_state_dict(state["optimizer"])
+        opt.load_state_dict(state.pop("optimizer"))
         torch.set_rng_state(state["rng"][rank]["torch"])
         random.setstate(state["rng"][rank]["python"])
         if state["rng"][rank]["cuda"] is not None:
@@ -1029,12 +1021,10 @@ def start(a: Args):
     from tqdm import tqdm
     steps = range(state["step"] + 1, a.max_steps + 1)
     bar = tqdm(steps, desc=a.algo, disable=rank > 0, initial=state["step"], total=a.max_steps)
-    run = types.SimpleNamespace(rank=rank, world=world, device=device, model=model, tok=tok, opt=opt, bar=bar,
-                                ref_model=ref_model, sampler=sampler, reward_fns=reward_fns, pool=pool,
-                                evals=evals, stream=stream, start=state["step"], busy=False, stop=0, flat=0)
-    run.bad_steps = 0  # non-finite steps in a row
-    run.done = {"step": state["step"], "prompts_drawn": state["prompts_drawn"]}  # the last completed step
-    run.saved = state["step"]  # the step of the last checkpoint
+    run = argparse.Namespace(  # done: the last completed step's state; saved: the last checkpoint's step
+        rank=rank, world=world, device=device, model=model, tok=tok, ref_model=ref_model, opt=opt, bar=bar,
+        sampler=sampler, reward_fns=reward_fns, pool=pool, evals=evals, stream=stream, start=state["step"],
+        done=state, saved=state["step"], busy=False, stop=0, flat=0, bad_steps=0)
     if rank == 0:
         open_output(run, a)
     return run
@@ -1110,9 +1100,6 @@ def describe(a: Args) -> str:
     norm = {"token-mean": "Σ_i |o_i|", "seq-mean-token-mean": "n_seq |o_i|", "seq-mean-token-sum": "n_seq",
             "seq-mean-token-sum-norm": f"n_seq·{a.max_new_tokens}"}[a.loss_agg]
     ratio = {"token": "π_θ/π_old per token", "sequence": "s_i = exp(mean_t log π_θ/π_old)"}[a.ratio]
-    old = f"π_old = π_θ before the first of {a.num_iterations} updates on a batch"
-    if a.num_iterations == 1:
-        old = "π_old = sg(π_θ): one update a batch, r = 1"
     adv = {"std": f"(R_i - mean_g(R)) / (std_g(R) + {a.std_eps:g})", "none": "R_i - mean_g(R)"}[a.scale]
     if a.soft_reweight:
         adv += f"  ·  std_g / (max_g' std_g' + {a.std_eps:g})"
@@ -1121,7 +1108,8 @@ def describe(a: Args) -> str:
         reward += f" + overlong(L_cache={a.overlong_buffer})"
     filters = {f"dynamic sampling (≤{a.max_gen_rounds} rounds)": a.dynamic_sampling,
                f"top-{a.top_k_groups} groups by std": a.top_k_groups, "truncated masked": a.mask_truncated}
-    lines = [f"J(θ) = E_q [ Σ_i Σ_t ({term}) / ({norm}) ],  r = {ratio}", f"  {old}",
+    lines = [f"J(θ) = E_q [ Σ_i Σ_t ({term}) / ({norm}) ],  r = {ratio}",
+             f"  π_old = π_θ as sampled, fixed over {a.num_iterations} update(s) a batch (one: r = 1)",
              f"  o_1..{a.num_generations} ~ π_old(·|q), temperature {a.temperature:g}, top-p {a.top_p:g}, "
              f"top-k {a.top_k}, |o_i| ≤ {a.max_new_tokens}; B = {a.prompts_per_step} prompts q a step",
              f"  A_i = {adv}", f"  R = {reward}",

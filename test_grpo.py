@@ -4,6 +4,7 @@ tokenizer are built locally (tiny.py) and loaded through the real loading code.
 In tiers, as the file reads: the math against hand-computed values; the rewards; flags and data; the tiny
 model in-process (gradients, log-probs, sampling); then whole runs of grpo.py, in-process where they can be
 and as a subprocess where a signal, torchrun or a fresh interpreter is what is tested."""
+import argparse
 import copy
 import itertools
 import json
@@ -712,20 +713,21 @@ def test_impossible_flags_fail_with_a_sentence(argv, says):
 
 
 @pytest.mark.parametrize("flag, value, says", [
-    ("--num-generations", "0", "--num-generations must be > 0"), ("--max-grad-norm", "-1", ">= 0, not -1"),
-    ("--temperature", "0", "--temperature must be > 0"), ("--top-k", "-1", "--top-k must be a finite number >= 0"),
-    ("--top-p", "1.5", r"--top-p must be in \(0, 1\]"), ("--top-p", "0", "--top-p must be > 0"),
+    ("--num-generations", "0", "--num-generations must be a finite number > 0"), ("--max-grad-norm", "-1", ">= 0, not -1"),
+    ("--temperature", "0", "--temperature must be a finite number > 0"), ("--top-k", "-1", "--top-k must be a finite number >= 0"),
+    ("--top-p", "1.5", r"--top-p must be in \(0, 1\]"), ("--top-p", "0", "--top-p must be a finite number > 0"),
     ("--lora-dropout", "1", r"--lora-dropout must be in \[0, 1\)"), ("--learning-rate", "0", "--learning-rate"),
-    ("--lora-r", "-1", "--lora-r must be a finite number >= 0"), ("--max-steps", "0", "--max-steps must be > 0"),
+    ("--lora-r", "-1", "--lora-r must be a finite number >= 0"), ("--max-steps", "0", "--max-steps must be a finite number > 0"),
     ("--save-every", "-1", "--save-every"), ("--eval-every", "-1", "--eval-every"), ("--seed", "-1", "--seed"),
     ("--eval-samples", "-1", "--eval-samples must be"), ("--log-samples", "-1", "--log-samples must be"),
-    ("--max-samples", "-1", "--max-samples must be"), ("--sapo-tau-neg", "0", "--sapo-tau-neg must be > 0"),
+    ("--max-samples", "-1", "--max-samples must be"), ("--sapo-tau-neg", "0", "--sapo-tau-neg must be a finite number > 0"),
     ("--beta", "-0.1", "--beta must be a finite number >= 0"), ("--eps-high", "-0.1", "--eps-high"),
-    ("--eval-prompts", "0", "--eval-prompts must be > 0"), ("--temperature", "nan", "finite"),
-    ("--learning-rate", "nan", "--learning-rate must be a finite number >= 0, not nan"),
+    ("--eval-prompts", "0", "--eval-prompts must be a finite number > 0"), ("--temperature", "nan", "finite"),
+    ("--learning-rate", "nan", "--learning-rate must be a finite number > 0, not nan"),
     ("--beta", "inf", "--beta must be a finite number >= 0, not inf"), ("--max-grad-norm", "nan", "finite"),
-    ("--std-eps", "0", "--std-eps must be > 0"), ("--lora-alpha", "0", "--lora-alpha must be > 0"),
+    ("--std-eps", "0", "--std-eps must be a finite number > 0"), ("--lora-alpha", "0", "--lora-alpha must be a finite number > 0"),
     ("--eps-low", "1", r"--eps-low must be in \[0, 1\)"), ("--warmup-steps", "-1", "--warmup-steps must be"),
+    ("--micro-batch-size", "-1", "--micro-batch-size must be a finite number > 0, not -1"),
 ])
 def test_out_of_range_flags_fail_with_their_name(flag, value, says):
     extra = ["--teacher-pool", "p.jsonl", "--teacher-per-group", "2"] if flag == "--num-generations" else []
@@ -1898,7 +1900,7 @@ def test_a_diverging_learning_rate_ends_in_one_line(tiny_dir, tmp_path):
     ("reward file missing", "--reward-fn .*: expected an existing PATH.py:FUNCTION"),
     ("no such function", "--reward-fn: .*rw.py has no function 'nope'"),
     ("rewards weight nan", "--rewards: weight 'nan' of 'correct' is not a finite number"),
-    ("wandb missing", "--wandb-project needs `pip install wandb`"),
+    ("wandb missing", "--wandb-project: `pip install wandb`"),
     ("model missing", "--model '.*no-such-dir'"),
     ("model without weights", "--model '.*no-weights': .*no file named model.safetensors"),
 ])
@@ -2192,7 +2194,7 @@ def test_a_signal_inside_the_last_save_leaves_a_finished_run(tiny_dir, tmp_path,
 def test_an_ignored_signal_stays_ignored():
     """Under nohup (SIGHUP ignored) a closed terminal does not stop the run; the others are handled."""
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    grpo.on_signal(grpo.types.SimpleNamespace(stop=0, rank=0, busy=False))
+    grpo.on_signal(argparse.Namespace(stop=0, rank=0, busy=False))
     assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN and signal.getsignal(signal.SIGTERM) is not \
         signal.SIG_IGN
 
