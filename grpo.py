@@ -10,8 +10,7 @@ token loss -> one optimizer step (num_iterations of them). A preset only sets de
   grpo         GRPO (2402.03300) §4.1: A = (R - mean) / std; sequence token means, averaged; k3 KL 0.04
   drgrpo       Dr. GRPO (2503.20783) §3.1: no / std, no 1 / |o_i|: token sums / (n_seq T); no KL
   dapo         DAPO (2503.14476) §3: clip-higher 0.28, dynamic sampling, token-mean, overlong penalty, ±1
-  drgrpo_soft  Dr. GRPO+ soft (no paper): Dr. GRPO's A times std_g / max std_g' (RAGEN's filter made
-               soft, 2504.20073 §4); sequence token sums, averaged
+  drgrpo_soft  Dr. GRPO+ soft (no paper): Dr. GRPO's A times std_g / max std_g'; sequence token sums
 Newer losses, each a flag at the one loss site (policy_loss): --ratio sequence (GSPO, 2507.18071),
 --surrogate cispo (MiniMax-M1, 2506.13585) | sapo (2511.20347), --dual-clip (1912.09729); KL: --kl.
 Mixed pool (--teacher-pool): G_s samples and G_t cached teacher completions with frozen rewards in one
@@ -196,8 +195,7 @@ def check_args(a: Args):
         (a.load_in_4bit and a.lora_r == 0, "--load-in-4bit trains LoRA adapters: set --lora-r > 0"),
         (a.top_k_groups > a.prompts_per_step, "--top-k-groups must be at most --prompts-per-step"),
         (a.overlong_buffer > a.max_new_tokens, "--overlong-buffer must be at most --max-new-tokens (L_max)"),
-        (bool(a.teacher_pool) != (a.teacher_per_group > 0), "the mixed pool needs both --teacher-pool PATH "
-                                                             "and --teacher-per-group G_T > 0"),
+        (bool(a.teacher_pool) != (a.teacher_per_group > 0), "--teacher-pool needs --teacher-per-group > 0"),
         (a.split_grads and not a.teacher_pool, "--split-grads needs --teacher-pool (the teacher half)"),
         (a.dataset == "" and a.eval_prompts > HELD_OUT, f"--eval-prompts: the built-in task has {HELD_OUT}"),
         (not a.rewards and not a.reward_fn, "no reward: give --rewards and/or --reward-fn"),
@@ -527,9 +525,8 @@ def all_gather(obj) -> list:  # [every rank's obj]
     return out
 
 def rollout(model, tok, stream, reward_fns, pool, a: Args, sampler=None, rank=0, world=1):
-    """One step's groups, in three steps: sampled and scored, filtered (every rank's together, as one
-    process would), then the advantage, once for the step's (B, G) rewards. Returns this rank's kept
-    groups, the step's metrics and every group sampled."""
+    """A step's groups in three steps: sampled and scored; filtered, all ranks' together as one process
+    would; the advantage, once for the (B, G) rewards. Returns this rank's groups, metrics, all sampled."""
     kept, generated, stats = sample_groups(model, tok, stream, reward_fns, pool, a, sampler, rank, world)
     # the filters see every rank's groups: the first B kept, in the order one process would sample them
     everyone = sorted(sum(all_gather([(g["order"], g["rewards"].tolist()) for g in kept]), []))
@@ -544,22 +541,20 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, sampler=None, rank=0,
     if a.soft_reweight:
         w = soft_weights(rewards.std(1), a.std_eps)  # (B,)
         adv = adv * w[:, None]
-        stats.update({"adv/soft_weight_min": w.min().item(), "adv/soft_weight_mean": w.mean().item(),
-                      "adv/soft_weight_max": w.max().item()})
+        stats.update({f"adv/soft_weight_{s}": getattr(w, s)().item() for s in ("min", "mean", "max")})
     mine = {g["order"]: g for g in kept}
-    groups = [mine[order] for order, _ in everyone if order in mine]  # this rank's
     for (order, _), group_adv in zip(everyone, adv):
         if order in mine:
             mine[order]["adv"] = group_adv
     stats["groups/kept"] = len(everyone)
-    return groups, stats, generated
+    return [g for g in kept if "adv" in g], stats, generated  # this rank's, in the order of `everyone`
 
 def sample_groups(model, tok, stream, reward_fns, pool, a: Args, sampler, rank: int, world: int):
     """Sampling rounds: this rank's share of B prompts, G_s samples each and G_t teacher completions, scored.
     Dynamic sampling (DAPO §3.2) keeps groups of unequal rewards and samples again until B are kept."""
     G_s = a.num_generations
     generated = []
-    t_generate = t_reward = 0.0
+    stats = {"time/generate": 0.0, "time/reward": 0.0}
     for rounds in range(1, a.max_gen_rounds + 1):
         batch = [next(stream) for _ in range(a.prompts_per_step)][rank::world]  # whole groups per rank
         t0 = time.time()
@@ -583,13 +578,12 @@ def sample_groups(model, tok, stream, reward_fns, pool, a: Args, sampler, rank: 
                 sampler_logp=logps[rows] + [torch.full((len(ids),), math.nan) for _, ids, _ in picks],
                 rewards=torch.cat([rewards[rows], torch.tensor([r for _, _, r in picks])]),
                 per_fn={k: v[rows] for k, v in per_fn.items()}))
-        t_generate += t1 - t0
-        t_reward += time.time() - t1
+        stats["time/generate"] += t1 - t0
+        stats["time/reward"] += time.time() - t1
         kept = [g for g in generated if not a.dynamic_sampling or g["rewards"].max() > g["rewards"].min()]
         if all_sum(torch.tensor([len(kept)], device=model.device)).item() >= a.prompts_per_step:
             break
-    stats = {"groups/gen_rounds": rounds, "time/generate": t_generate, "time/reward": t_reward,
-             **group_metrics(generated)}
+    stats.update({"groups/gen_rounds": rounds, **group_metrics(generated)})
     return kept, generated, stats
 
 def group_metrics(groups: list[dict]) -> dict:
@@ -689,8 +683,7 @@ def policy_loss(logp, old_logp, adv, mask, a: Args):
     return loss, diag
 
 def kl_penalty(logp, ref_logp, kind: str = "k3", old_logp=None):
-    """Per-token KL term (Schulman, "Approximating KL divergence", 2020), with d = log ref - log pi; its
-    gradient under samples of pi:
+    """Per-token KL (Schulman, "Approximating KL divergence", 2020), d = log ref - log pi; gradients under pi:
       k3        e^d - d - 1: an unbiased VALUE of KL(pi || ref), GRPO (2402.03300) eq. 4; but its gradient
                 (1 - ref/pi) grad log pi has the mean grad KL(ref || pi), the reverse direction
       k3_ratio  k3 · pi / pi_old, the policy loss's ratio (DeepSeek-V3.2, 2512.02556; TRL's
@@ -709,9 +702,8 @@ def kl_penalty(logp, ref_logp, kind: str = "k3", old_logp=None):
     return ratio * (k3.detach() - d.detach() * (logp - logp.detach()))
 
 def aggregate_loss(loss, mask, mode: str, max_len: int, n_seqs=None, n_tokens=None):
-    """Token losses (N, C) -> scalar, with verl's names. n_seqs / n_tokens are the normalisers of the
-    WHOLE step (every micro-batch, every rank); by default this batch's. Sequences with no loss
-    token count in neither.
+    """Token losses (N, C) -> scalar, with verl's names. n_seqs / n_tokens: the normalisers of the WHOLE
+    step (every micro-batch and rank; default: this batch's); a sequence with no loss token counts in neither.
       token-mean               Σ_i Σ_t l / Σ_i |o_i|                DAPO §3.3
       seq-mean-token-mean      Σ_i (Σ_t l / |o_i|) / n_seq          GRPO (2402.03300) eq. 3
       seq-mean-token-sum       Σ_i Σ_t l / n_seq                    Dr. GRPO+ soft (no paper)
@@ -748,8 +740,7 @@ def token_objective(logp, entropy, old_logp, ref_logp, sampler_logp, adv, mask, 
     return loss, diag
 
 def loss_rows(batch: dict, a: Args):
-    """The loss mask (N, C), the step's normalisers n_seqs and n_tokens (every row, skipped ones too, summed
-    over ranks), and the rows that train."""
+    """The loss mask (N, C); the step's n_seqs, n_tokens (skipped rows too, all ranks); the rows to train."""
     mask = batch["mask"]
     if a.mask_truncated:  # DAPO §3.4 overlong filtering: no loss, and no count in either normaliser
         mask = mask * ~batch["truncated"][:, None]
@@ -761,8 +752,7 @@ def loss_rows(batch: dict, a: Args):
 
 def train_step(model, ref_model, opt, batch: dict, a: Args) -> dict:
     """num_iterations optimizer steps on one rollout batch: micro-batches, backward (--split-grads: student
-    and teacher rows apart), the gradient summed over ranks. Metrics over the trained rows of every rank,
-    from the last update."""
+    and teacher rows apart), the gradient summed over ranks. Metrics: all ranks' trained rows, last update."""
     params = [p for p in model.parameters() if p.requires_grad]
     dev = params[0].device
     mask, n_seqs, n_tokens, rows = loss_rows(batch, a)
@@ -889,8 +879,7 @@ def damaged(ckpt: str) -> str | None:  # its first file missing or cut (a copy c
     return next((name for name in sizes if now.get(name) != sizes[name]), None)
 
 def last_checkpoint(output_dir: str, resume: bool = False) -> str | None:
-    """checkpoint/, else .old/ (whole when a save was killed between its renames); resume: one is needed, and
-    a damaged one is named."""
+    """checkpoint/, else .old/ (whole if a save died between its renames); resume: required, damage named."""
     paths = [os.path.join(output_dir, "checkpoint"), os.path.join(output_dir, "checkpoint.old")]
     bad = [f"{path}/{damaged(path)}" for path in paths if os.path.isdir(path) and damaged(path)]
     ckpt = next((path for path in paths if os.path.isdir(path) and not damaged(path)), None)
