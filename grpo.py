@@ -64,8 +64,7 @@ PRESETS = {  # the papers' values
     "dapo": dict(scale="std", loss_agg="token-mean", eps_low=0.2, eps_high=0.28, beta=0.0,
                  dynamic_sampling=True, overlong_penalty=True, rewards="correct_pm1"),
     "drgrpo_soft": dict(scale="none", loss_agg="seq-mean-token-sum", eps_low=0.2, eps_high=0.2, beta=0.0,
-                        soft_reweight=True),
-}
+                        soft_reweight=True)}
 
 @dataclasses.dataclass
 class Args:
@@ -150,8 +149,7 @@ def parse_args(argv=None) -> Args:
     saved = {}  # the checkpoint's grpo_args.json, on --resume
     if given.get("resume"):  # the saved run's flags are the defaults
         out = given.get("output_dir", Args.output_dir)
-        with open(os.path.join(last_checkpoint(out, resume=True), "grpo_args.json")) as f:
-            saved = json.load(f)
+        saved = json.loads(pathlib.Path(last_checkpoint(out, resume=True), "grpo_args.json").read_text())
         defaults = {k: v for k, v in saved.items() if k in Args.__dataclass_fields__}
         for k, v in given.items():
             if k not in RESUMABLE and defaults[k] != v:
@@ -252,10 +250,9 @@ def read_records(source: str, split: str) -> list[tuple[str, dict]]:
         name, _, config = source.partition(":")
         try:
             from datasets import get_dataset_config_names, load_dataset
-        except ImportError:
-            fail(f"{source} is not a JSONL file: a hub dataset or a directory needs `pip install datasets`")
-        try:
             rows = load_dataset(name, config or get_dataset_config_names(name)[0], split=split)
+        except ImportError as e:  # `datasets`, or a package it needs for this one
+            fail(f"{source} is not a JSONL file: a dataset needs `pip install datasets` ({e})")
         except Exception as e:  # not found, offline, no such config or split: what `datasets` says, one line
             fail(f"{source}@{split}: {' '.join(str(e).split())}")
         rows = [(f"{source}@{split}:{i}", rec) for i, rec in enumerate(rows, 1)]
@@ -528,9 +525,8 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, sampler=None, rank=0,
     """A step's groups in three steps: sampled and scored; filtered, all ranks' together as one process
     would; the advantage, once for the (B, G) rewards. Returns this rank's groups, metrics, all sampled."""
     kept, generated, stats = sample_groups(model, tok, stream, reward_fns, pool, a, sampler, rank, world)
-    # the filters see every rank's groups: the first B kept, in the order one process would sample them
     everyone = sorted(sum(all_gather([(g["order"], g["rewards"].tolist()) for g in kept]), []))
-    everyone = everyone[:a.prompts_per_step]
+    everyone = everyone[:a.prompts_per_step]  # the first B kept, in the order one process samples them
     G = a.num_generations + a.teacher_per_group
     rewards = torch.tensor([r for _, r in everyone]).view(-1, G)  # (B, G)
     if a.top_k_groups:  # the hard variance filter (RAGEN, 2504.20073 §4): the k groups of largest std
@@ -566,7 +562,6 @@ def sample_groups(model, tok, stream, reward_fns, pool, a: Args, sampler, rank: 
                                 reward_fns, a)
         for i, ex in enumerate(batch):
             rows = slice(i * G_s, (i + 1) * G_s)
-            # the mixed pool: G_t teacher completions (tokenized at load) join the group with frozen rewards
             picks = random.sample(pool[ex["prompt"]], a.teacher_per_group) if pool else []
             generated.append(dict(
                 prompt=ex["prompt"], answer=ex["answer"], prompt_ids=prompts[i],
@@ -871,8 +866,7 @@ def setup_distributed():
 
 def damaged(ckpt: str) -> str | None:  # its first file missing or cut (a copy cut short), by the sizes saved
     try:
-        with open(os.path.join(ckpt, "grpo_args.json")) as f:
-            sizes = json.load(f).get("sizes", {})
+        sizes = json.loads(pathlib.Path(ckpt, "grpo_args.json").read_text()).get("sizes", {})
     except (OSError, ValueError):
         return "grpo_args.json"
     now = {entry.name: entry.stat().st_size for entry in os.scandir(ckpt)}
@@ -967,8 +961,7 @@ def check_output_dir(a: Args):  # before anything loads
         if up.is_file():
             fail(f"--output-dir {a.output_dir!r} cannot be made: {str(up)!r} is a file")
         if up.name in ("checkpoint", "checkpoint.old", "checkpoint.tmp") and (up.parent / ".lock").exists():
-            fail(f"--output-dir {a.output_dir!r} is inside a checkpoint of the run in {str(up.parent)!r}, "
-                 f"which its next save deletes")
+            fail(f"--output-dir {a.output_dir!r} is inside a checkpoint of the run in {str(up.parent)!r}")
 
 def start(a: Args):
     rank, world, device = setup_distributed()
