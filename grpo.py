@@ -749,11 +749,10 @@ def train_step(model, ref_model, opt, batch: dict, a: Args) -> dict:
     """num_iterations optimizer steps on one rollout batch: micro-batches, backward (--split-grads: student
     and teacher rows apart), the gradient summed over ranks. Metrics: all ranks' trained rows, last update."""
     params = [p for p in model.parameters() if p.requires_grad]
-    dev = params[0].device
     mask, n_seqs, n_tokens, rows = loss_rows(batch, a)
     chunks = [rows[i:i + a.micro_batch_size] for i in range(0, len(rows), a.micro_batch_size)]
     def forward(idx, net):  # -> logp, entropy (n, C)
-        with autocast(a, dev):
+        with autocast(a, params[0].device):
             return token_logps(net, batch["input_ids"][idx], batch["attention_mask"][idx], mask.shape[1],
                                a.temperature)
     old_logp = ref_logp = [None] * len(chunks)
@@ -929,8 +928,7 @@ def open_log(a: Args, name: str, step: int):
     if a.resume and os.path.exists(path):
         with open(path) as f:
             rows = [row for row in f if row.endswith("}\n") and json.loads(row)["step"] <= step]
-    with open(path + ".tmp", "w") as f:
-        f.writelines(rows)
+    pathlib.Path(path + ".tmp").write_text("".join(rows))
     os.replace(path + ".tmp", path)
     return open(path, "a", buffering=1)
 
