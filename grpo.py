@@ -507,8 +507,7 @@ def soft_weights(stds: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     paper: a soft form of RAGEN's hard variance filter (2504.20073 §4), which keeps only the top-k groups."""
     return stds / (stds.max() + eps)
 
-# Several processes (torchrun): each rank samples whole groups. These two carry what the step shares: the
-# kept-group count, every group's rewards for the advantage, the loss normalisers and the gradient sum.
+# Several processes (torchrun): each rank samples whole groups; these two carry what the ranks share.
 def all_sum(x: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(x)
@@ -803,9 +802,8 @@ def train_step(model, ref_model, opt, batch: dict, a: Args) -> dict:
     return {**out, "loss": total["loss"], "train/rows": total["train/rows"]}
 
 def edit_source_grads(grads: dict, params: list) -> dict:
-    """--split-grads: the student and teacher gradients g_s and g_t, summed over micro-batches and ranks,
-    before clipping and the step; .grad = g_s + g_t, the full-batch gradient. FORKER: inspect, project or
-    drop either part here. Returns |g_s|, |g_t| and their cosine."""
+    """--split-grads: the student and teacher gradients g_s, g_t, summed over micro-batches and ranks, before
+    clipping and the step; .grad = g_s + g_t, the full-batch gradient. FORKER: project or drop either here."""
     if not grads:
         return {}
     g_s, g_t = grads["student"], grads["teacher"]
@@ -818,8 +816,7 @@ def edit_source_grads(grads: dict, params: list) -> dict:
             "grad/cos_student_teacher": cos.item()}
 
 # ============================================================================= run-keeping
-# Nothing below changes the algorithm: evaluation, processes, checkpoints and resume, the output dir, logs,
-# signals, --dry-run's formula, and main(), the loop.
+# Nothing below changes the algorithm: evaluation, processes, checkpoints, logs, signals, --dry-run, main().
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     return 1 - math.comb(n - c, k) / math.comb(n, k)
