@@ -1157,7 +1157,6 @@ def finish(run, a: Args):
     if run.stop and not finished:
         raise SystemExit(128 + run.stop)
 
-
 if __name__ == "__main__":
     try:
         main()
