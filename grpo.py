@@ -322,8 +322,8 @@ def prompt_stream(data: list[dict], seed: int):  # endless; every rank draws the
 
 # ----------------------------------------------------------------------------- model
 def load_model(a: Args, device: torch.device, resume: str | None = None):
-    """Policy (LoRA, QLoRA or full), tokenizer, and a frozen reference for full fine-tuning with KL;
-    resume: a checkpoint whose adapter (or whole model) replaces the fresh one."""
+    """Policy (LoRA, QLoRA or full), tokenizer, a frozen reference (full fine-tuning with KL); resume: a
+    checkpoint whose adapter (or whole model) replaces the fresh one."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig, GenerationConfig
     # LoRA: bf16 base weights when bf16 is on; full fine-tuning keeps fp32 weights, in bf16 autocast
     dtype = torch.bfloat16 if use_bf16(a, device) and a.lora_r > 0 else torch.float32
@@ -645,10 +645,9 @@ def token_logps(model, input_ids, attention_mask, n_completion: int, temperature
     return torch.cat(logp).view(len(input_ids), -1), torch.cat(entropy).view(len(input_ids), -1)
 
 def policy_loss(logp, old_logp, adv, mask, a: Args):
-    """Per-token policy loss (N, C), each choice its own flag; adv (N, 1). Returns the loss and its
-    diagnostics (N, C) by name: the ratio used, where it left [1 - eps_low, 1 + eps_high] on the side that
-    matters (below with A < 0, above with A > 0), where dual-clip bound. With old_logp = logp.detach()
-    (num_iterations 1, r = 1) every choice has the gradient -A grad log pi.
+    """Per-token policy loss (N, C), each choice a flag; adv (N, 1). Diagnostics (N, C) by name: the ratio,
+    where it left [1 - eps_low, 1 + eps_high] on the side that matters (below with A < 0, above with A > 0),
+    where dual-clip bound. With old_logp = logp.detach() (r = 1) every choice's gradient is -A grad log pi.
       ratio      token: r_t = pi / pi_old                                PPO, GRPO
                  sequence: s_i = exp(mean_t log r_t) at every token       GSPO (2507.18071) eq. 7; its
                  objective with --loss-agg seq-mean-token-mean (the paper's eps: 3e-4 / 4e-4)
@@ -713,10 +712,9 @@ def aggregate_loss(loss, mask, mode: str, max_len: int, n_seqs=None, n_tokens=No
 
 # ----------------------------------------------------------------------------- the step
 def token_objective(logp, entropy, old_logp, ref_logp, sampler_logp, adv, mask, a: Args):
-    """The per-token loss (N, C) of a micro-batch, before aggregation, its terms in --dry-run's order; and
-    its diagnostics (N, C) by name, each logged as its mean over the trained tokens where it is finite.
-    FORKER: a new term or token weight is a line here, and a new metric a line in `diag`. This sees one
-    micro-batch: a statistic over the step (a quantile, a batch std) is computed in rollout or loss_rows."""
+    """A micro-batch's per-token loss (N, C) before aggregation, its terms in --dry-run's order, and its
+    diagnostics (N, C) by name, each logged as its mean over the trained tokens where finite. FORKER: a new
+    term or token weight is a line here, a metric one in `diag`; a step's statistic: rollout or loss_rows."""
     loss, diag = policy_loss(logp, old_logp, adv, mask, a)  # the surrogate
     # the sampler's own log-probs (NaN on teacher rows): their gap to the trainer's is its health check
     known = (mask > 0) & sampler_logp.isfinite()
@@ -1062,8 +1060,8 @@ def end_step(run, a: Args, step: int, m: dict, generated: list[dict]) -> bool:
     return stopping
 
 def describe(a: Args) -> str:
-    """--dry-run: the objective the resolved flags optimise, its terms in the order token_objective builds
-    them, then every flag. Each flag that changes the objective changes this text (a test checks)."""
+    """--dry-run: the objective the flags optimise, its terms in token_objective's order, then every flag.
+    Each flag that changes the objective changes this text (a test checks)."""
     clip = f"clip(r, 1-{a.eps_low:g}, 1+{a.eps_high:g})"
     sapo = f"4/τ·σ(τ(r-1))·A_i, τ = {a.sapo_tau_pos:g} if A_i > 0 else {a.sapo_tau_neg:g}"
     term = {"clip": f"min(r·A_i, {clip}·A_i)", "cispo": f"sg({clip})·A_i·log π_θ",
