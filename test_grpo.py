@@ -17,8 +17,11 @@ import sys
 import time
 from dataclasses import replace
 
-import pytest
-import torch
+# One thread a process: with `-n 2` on 2 cores, and torchrun's ranks beside them, more OpenMP threads than
+# cores spin against each other (the suite took 5 min 26 s on 2 cores with torch's default, 1 min 36 s so).
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # (before torch is imported; subprocesses inherit it)
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 import grpo
 import rewards as R
@@ -2400,7 +2403,8 @@ def test_reward_rises_on_a_toy_task(tmp_path):
     """An honest learning check (bench/learn.py, shortened and seeded): a tiny model after a short supervised
     warm-up on 'a+b=' is trained by grpo.py (Dr. GRPO) for 100 steps; the sampled reward (= accuracy) of the last
     20 steps beats the first 10 by a clear margin. Float rounding moves the margin as a seed does (another
-    machine warms up another model): over seeds 0-5 it was 0.26 0.28 0.35 0.25 0.25 0.36 here. At 60 steps
+    machine warms up another model): over seeds 0-5 it was 0.26 0.28 0.35 0.25 0.25 0.36 here, and with one thread
+    a process, as the suite runs, 0.28 0.27 0.34 0.30 0.28 0.33. At 60 steps
     (last 10 against first 10: 0.20 to 0.24 here) a 0.2 margin failed on a machine that gave 0.15. 0.1 leaves
     the worst seed 2.5 times the room, while a run that does not learn (learning rate 1e-12) moved it by 0.02."""
     sys.path.insert(0, os.path.join(HERE, "bench"))
