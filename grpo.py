@@ -193,7 +193,8 @@ def check_args(a: Args):
         (a.load_in_4bit and a.lora_r == 0, "--load-in-4bit trains LoRA adapters: set --lora-r > 0"),
         (a.top_k_groups > a.prompts_per_step, "--top-k-groups must be at most --prompts-per-step"),
         (a.overlong_buffer > a.max_new_tokens, "--overlong-buffer must be at most --max-new-tokens (L_max)"),
-        (bool(a.teacher_pool) != (a.teacher_per_group > 0), "--teacher-pool needs --teacher-per-group > 0"),
+        (bool(a.teacher_pool) != (a.teacher_per_group > 0), "the mixed pool needs both --teacher-pool PATH "
+                                                             "and --teacher-per-group G_T > 0"),
         (a.split_grads and not a.teacher_pool, "--split-grads needs --teacher-pool (the teacher half)"),
         (a.dataset == "" and a.eval_prompts > HELD_OUT, f"--eval-prompts: the built-in task has {HELD_OUT}"),
         (not a.rewards and not a.reward_fn, "no reward: give --rewards and/or --reward-fn"),
@@ -875,7 +876,7 @@ def last_checkpoint(output_dir: str, resume: bool = False) -> str | None:
         fail(f"--resume: {bad[0]} is missing or cut, and no other checkpoint is whole: restore it")
     if resume and ckpt is None:  # (a run that stopped before its first save leaves none)
         fail(f"--resume: no checkpoint in {output_dir!r}")
-    if resume and bad:
+    if resume and bad and ckpt != paths[0]:
         print(f"grpo: {bad[0]} is missing or cut: resuming from {ckpt}", file=sys.stderr)
     return ckpt
 
