@@ -134,9 +134,9 @@ class Args:
     weight_decay: float = flag(0.0, "AdamW weight decay")
     max_grad_norm: float = flag(1.0, "clip the gradient norm (0: no clipping)")
 
-PATHS = ("model", "dataset", "eval_dataset", "reward_fn", "teacher_pool")
-RESUMABLE = {"resume", "output_dir", "max_steps", "save_every", "eval_every", "eval_prompts", "eval_samples",
-             "log_samples", "wandb_project", "compile_generate", "dry_run", *PATHS}  # may change on --resume
+PATHS = ("model", "dataset", "eval_dataset", "reward_fn", "teacher_pool")  # RESUMABLE: may change on --resume
+RESUMABLE = {"resume", "overwrite", "output_dir", "max_steps", "save_every", "eval_every", "eval_prompts",
+             "eval_samples", "log_samples", "wandb_project", "compile_generate", "dry_run", *PATHS}
 
 def parse_args(argv=None) -> Args:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], argument_default=argparse.SUPPRESS)
@@ -150,10 +150,11 @@ def parse_args(argv=None) -> Args:
     if given.get("resume"):  # the saved run's flags are the defaults
         out = given.get("output_dir", Args.output_dir)
         saved = json.loads(pathlib.Path(last_checkpoint(out, resume=True), "grpo_args.json").read_text())
-        defaults = {k: v for k, v in saved.items() if k in Args.__dataclass_fields__}
+        defaults = {k: v for k, v in saved.items() if k in Args.__dataclass_fields__ and k != "overwrite"}
         for k, v in given.items():
-            if k not in RESUMABLE and defaults[k] != v:
-                fail(f"--resume: {dash(k)} is {v!r} here but {defaults[k]!r} in the saved run: drop the flag "
+            was = defaults.get(k, getattr(Args, k))  # a flag newer than the checkpoint: its default
+            if k not in RESUMABLE and was != v:
+                fail(f"--resume: {dash(k)} is {v!r} here but {was!r} in the saved run: drop the flag "
                      f"to continue that run, or start a new one in another --output-dir")
     elif given.get("reward_fn") and "rewards" not in given:
         defaults = {**defaults, "rewards": ""}  # a custom reward alone, unless --rewards names built-ins too
@@ -626,8 +627,8 @@ def collate(groups: list[dict], pad_id: int, device) -> dict:
 
 # ----------------------------------------------------------------------------- log-probs and loss
 def token_logps(model, input_ids, attention_mask, n_completion: int, temperature: float = 1.0):
-    """Log-probs and entropy (N, C) of the last C tokens, from one forward over prompt + completion. The
-    output layer runs on chunks of 2^24 / V tokens, recomputed in backward: no (N, C, V) logits are held."""
+    """Log-probs and entropy (N, C) of the last C tokens from one forward (the entropy a metric, no gradient).
+    The output layer runs on chunks of 2^24 / V tokens, recomputed in backward: no (N, C, V) logits held."""
     pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
                                  use_cache=False).last_hidden_state[:, -n_completion - 1:-1]  # (N, C, H)
@@ -739,7 +740,7 @@ def loss_rows(batch: dict, a: Args):
         mask = mask * ~batch["truncated"][:, None]
     has_loss = mask.sum(-1) > 0
     n_seqs, n_tokens = all_sum(torch.stack([has_loss.sum().float(), mask.sum()])).tolist()
-    # equal rewards -> adv = 0 -> no policy gradient: skip those rows (exact with beta = 0)
+    # equal rewards -> A = 0 -> no gradient but the KL's: skip those rows when beta = 0 (a new term: check)
     skip = batch["zero_variance"] & (a.skip_zero_variance and a.beta == 0)
     return mask, n_seqs, n_tokens, (has_loss & ~skip).nonzero()[:, 0].tolist()
 
@@ -788,7 +789,7 @@ def train_step(model, ref_model, opt, batch: dict, a: Args) -> dict:
         # the step's gradient is the SUM of the ranks' (each rank's loss carries the global normaliser)
         for g in sum(grads.values(), []) or [p.grad for p in params]:
             all_sum(g)
-        out = edit_source_grads(grads, params)
+        out = edit_source_grads(grads, params, a)
         every = all_gather({k: float(v) for k, v in sums.items()})
         total = {k: sum(d.get(k, 0.0) for d in every) for k in set().union(*every)}
         norm = torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm or math.inf).item()
@@ -800,7 +801,7 @@ def train_step(model, ref_model, opt, batch: dict, a: Args) -> dict:
     out.update({k: total[k] / total["n:" + k] for k in total if total.get("n:" + k)})
     return {**out, "loss": total["loss"], "train/rows": total["train/rows"]}
 
-def edit_source_grads(grads: dict, params: list) -> dict:
+def edit_source_grads(grads: dict, params: list, a: Args) -> dict:
     """--split-grads: the student and teacher gradients g_s, g_t, summed over micro-batches and ranks, before
     clipping and the step; .grad = g_s + g_t, the full-batch gradient. FORKER: project or drop either here."""
     if not grads:
@@ -1076,6 +1077,9 @@ def describe(a: Args) -> str:
     norm = {"token-mean": "Σ_i |o_i|", "seq-mean-token-mean": "n_seq |o_i|", "seq-mean-token-sum": "n_seq",
             "seq-mean-token-sum-norm": f"n_seq·{a.max_new_tokens}"}[a.loss_agg]
     ratio = {"token": "π_θ/π_old per token", "sequence": "s_i = exp(mean_t log π_θ/π_old)"}[a.ratio]
+    old = f"π_old = π_θ before the first of {a.num_iterations} updates on a batch"
+    if a.num_iterations == 1:
+        old = "π_old = sg(π_θ): one update a batch, r = 1"
     adv = {"std": f"(R_i - mean_g(R)) / (std_g(R) + {a.std_eps:g})", "none": "R_i - mean_g(R)"}[a.scale]
     if a.soft_reweight:
         adv += f"  ·  std_g / (max_g' std_g' + {a.std_eps:g})"
@@ -1084,8 +1088,7 @@ def describe(a: Args) -> str:
         reward += f" + overlong(L_cache={a.overlong_buffer})"
     filters = {f"dynamic sampling (≤{a.max_gen_rounds} rounds)": a.dynamic_sampling,
                f"top-{a.top_k_groups} groups by std": a.top_k_groups, "truncated masked": a.mask_truncated}
-    lines = [f"J(θ) = E_q [ Σ_i Σ_t ({term}) / ({norm}) ],  r = {ratio}",
-             f"  π_old = π_θ as sampled, fixed over {a.num_iterations} update(s) a batch (one: r = 1)",
+    lines = [f"J(θ) = E_q [ Σ_i Σ_t ({term}) / ({norm}) ],  r = {ratio}", f"  {old}",
              f"  o_1..{a.num_generations} ~ π_old(·|q), temperature {a.temperature:g}, top-p {a.top_p:g}, "
              f"top-k {a.top_k}, |o_i| ≤ {a.max_new_tokens}; B = {a.prompts_per_step} prompts q a step",
              f"  A_i = {adv}", f"  R = {reward}",

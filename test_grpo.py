@@ -1993,6 +1993,23 @@ def test_a_run_that_stopped_before_its_first_save_does_not_block_its_folder(tiny
     assert (out / "samples.jsonl").read_text() == ""  # nothing of the previous run is left
 
 
+def test_a_run_started_with_overwrite_resumes_and_a_flag_newer_than_its_checkpoint_is_its_default(tiny_dir,
+                                                                                                     tmp_path):
+    """--overwrite is saved with the other flags, yet --resume continues that run (it once answered "give one").
+    A flag the checkpoint does not hold (saved by an older grpo.py, or before a fork added it) counts as its
+    default: given at that value the run resumes, given otherwise it is refused in one line (once a KeyError)."""
+    out = str(tmp_path / "out")
+    main(["--model", tiny_dir, "--output-dir", out, "--max-steps", "1", "--overwrite"] + TINY + ["--eval-every", "0"])
+    args = tmp_path / "out" / "checkpoint" / "grpo_args.json"
+    saved = json.loads(args.read_text())
+    del saved["tis"]  # as if the checkpoint predated --tis
+    args.write_text(json.dumps(saved))
+    with pytest.raises(SystemExit, match=r"^grpo: error: --resume: --tis is 2.0 here but 0.0 in the saved run"):
+        main(["--output-dir", out, "--resume", "--max-steps", "2", "--tis", "2"])
+    main(["--output-dir", out, "--resume", "--max-steps", "2", "--tis", "0"])
+    assert [r["step"] for r in metrics(out)] == [1, 2]
+
+
 def test_resume_from_the_old_checkpoint_and_a_partial_metrics_line(tiny_dir, tmp_path):
     """A save killed between its two renames leaves checkpoint.old/ alone: --resume continues from it. A crash
     mid-write leaves a partial last metrics line: it is dropped."""
