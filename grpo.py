@@ -136,7 +136,8 @@ class Args:
 
 PATHS = ("model", "dataset", "eval_dataset", "reward_fn", "teacher_pool")  # RESUMABLE: may change on --resume
 RESUMABLE = {"resume", "overwrite", "output_dir", "max_steps", "save_every", "eval_every", "eval_prompts",
-             "eval_samples", "log_samples", "wandb_project", "compile_generate", "dry_run", *PATHS}
+             "eval_samples", "log_samples", "wandb_project", "compile_generate", "dry_run", *PATHS,
+             "micro_batch_size", "gradient_checkpointing"}  # memory only: the same update, in another order
 
 def parse_args(argv=None) -> Args:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], argument_default=argparse.SUPPRESS)
@@ -168,7 +169,7 @@ def parse_args(argv=None) -> Args:
         if name in saved.get("files", {}) and saved["files"][name] != fingerprint(path):  # paths may move
             if name == "model":
                 fail(f"--resume: --model {a.model!r} is not the model the run started from (its config or "
-                     f"weights differ): give that model, or start a new run")
+                     f"weights differ, or it is not there): give that model, or start a new run")
             print(f"grpo: note: the {dash(name)} file has changed since the run was saved", file=sys.stderr)
     check_args(a)
     return a
@@ -335,7 +336,7 @@ def load_model(a: Args, device: torch.device, resume: str | None = None):
                                                        bnb_4bit_use_double_quant=True,
                                                        bnb_4bit_compute_dtype=dtype)
     try:
-        tok = AutoTokenizer.from_pretrained(a.model)
+        tok = AutoTokenizer.from_pretrained(resume or a.model)  # resume: the run's own chat template and EOS
         model = AutoModelForCausalLM.from_pretrained(resume if resume and a.lora_r == 0 else a.model, **kw)
     except (OSError, ValueError) as e:  # no weights in the directory; not on the hub (or no network)
         fail(f"--model {a.model!r}: {str(e).splitlines()[0]}")
@@ -463,8 +464,8 @@ def build_rewards(a: Args) -> list[tuple[str, object, float]]:
             fns.append((name, REWARDS[name], float(weight or 1)))
         except ValueError:
             fns.append((name, REWARDS[name], math.nan))
-        if not math.isfinite(fns[-1][2]):
-            fail(f"--rewards: weight {weight!r} of {name!r} is not a finite number")
+        if not finite32(fns[-1][2]):
+            fail(f"--rewards: weight {weight!r} of {name!r} is not a number finite in float32")
     if a.reward_fn:
         path, _, name = a.reward_fn.rpartition(":")
         if not path.endswith(".py") or not os.path.isfile(path):

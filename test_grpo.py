@@ -10,6 +10,7 @@ import itertools
 import json
 import math
 import os
+import pathlib
 import shutil
 import signal
 import subprocess
@@ -661,8 +662,8 @@ def test_a_reward_that_raises_or_returns_no_finite_number_stops_the_run_named(va
 
 
 def test_a_non_finite_reward_weight_stops_the_run():
-    for w in ("nan", "inf", "x"):
-        with pytest.raises(SystemExit, match=f"weight '{w}' of 'correct' is not a finite number"):
+    for w in ("nan", "inf", "x", "1e39"):  # 1e39: a finite float that float32 makes inf (inf x 0 = nan)
+        with pytest.raises(SystemExit, match=f"weight '{w}' of 'correct' is not a number finite in float32"):
             grpo.build_rewards(grpo.parse_args(["--rewards", f"correct:{w}"]))
     with pytest.raises(SystemExit, match="unknown reward 'corect'"):
         grpo.build_rewards(grpo.parse_args(["--rewards", "corect"]))
@@ -1902,7 +1903,7 @@ def test_a_diverging_learning_rate_ends_in_one_line(tiny_dir, tmp_path):
     ("reward calls sys.exit", "reward 'r' raised SystemExit"),
     ("reward file missing", "--reward-fn .*: expected an existing PATH.py:FUNCTION"),
     ("no such function", "--reward-fn: .*rw.py has no function 'nope'"),
-    ("rewards weight nan", "--rewards: weight 'nan' of 'correct' is not a finite number"),
+    ("rewards weight nan", "--rewards: weight 'nan' of 'correct' is not a number finite in float32"),
     ("wandb missing", "--wandb-project: `pip install wandb`"),
     ("model missing", "--model '.*no-such-dir'"),
     ("model without weights", "--model '.*no-weights': .*no file named model.safetensors"),
@@ -1997,7 +1998,8 @@ def test_a_run_started_with_overwrite_resumes_and_a_flag_newer_than_its_checkpoi
                                                                                                      tmp_path):
     """--overwrite is saved with the other flags, yet --resume continues that run (it once answered "give one").
     A flag the checkpoint does not hold (saved by an older grpo.py, or before a fork added it) counts as its
-    default: given at that value the run resumes, given otherwise it is refused in one line (once a KeyError)."""
+    default: given at that value the run resumes, given otherwise it is refused in one line (once a KeyError).
+    A flag that only moves memory (--micro-batch-size, --gradient-checkpointing) may change."""
     out = str(tmp_path / "out")
     main(["--model", tiny_dir, "--output-dir", out, "--max-steps", "1", "--overwrite"] + TINY + ["--eval-every", "0"])
     args = tmp_path / "out" / "checkpoint" / "grpo_args.json"
@@ -2006,7 +2008,7 @@ def test_a_run_started_with_overwrite_resumes_and_a_flag_newer_than_its_checkpoi
     args.write_text(json.dumps(saved))
     with pytest.raises(SystemExit, match=r"^grpo: error: --resume: --tis is 2.0 here but 0.0 in the saved run"):
         main(["--output-dir", out, "--resume", "--max-steps", "2", "--tis", "2"])
-    main(["--output-dir", out, "--resume", "--max-steps", "2", "--tis", "0"])
+    main(["--output-dir", out, "--resume", "--max-steps", "2", "--tis", "0", "--micro-batch-size", "1"])  # memory
     assert [r["step"] for r in metrics(out)] == [1, 2]
 
 
@@ -2057,7 +2059,7 @@ def test_resume_refuses_another_base_model_and_names_a_changed_file(tiny_dir, tm
          + reward_file(tmp_path))
     other = tiny.make_tiny(str(tmp_path / "other"), seed=1)
     with pytest.raises(SystemExit, match=f"^grpo: error: --resume: --model '{other}' is not the model the run "
-                                         f"started from \\(its config or weights differ\\)"):
+                                         f"started from \\(its config or weights differ, or it is not there\\)"):
         grpo.parse_args(["--output-dir", out, "--resume", "--model", other, "--max-steps", "2"])
     moved = shutil.copytree(tiny_dir, tmp_path / "moved")
     reward_file(tmp_path, "def digits(c, a, **kw):\n    return sum(ch.isdigit() for ch in c) / 20\n")
@@ -2066,6 +2068,18 @@ def test_resume_refuses_another_base_model_and_names_a_changed_file(tiny_dir, tm
     notes = [line for line in capsys.readouterr().err.splitlines() if "note" in line]
     assert notes == ["grpo: note: the --reward-fn file has changed since the run was saved"]
     assert [r["step"] for r in metrics(out)] == [1, 2]
+
+
+def test_resume_takes_the_tokenizer_saved_with_the_run(tiny_dir, tmp_path):
+    """The checkpoint's tokenizer, not --model's: a chat template edited in the model's directory since the run
+    started would change every prompt of a run that resumes bit for bit (the weights' check does not read it)."""
+    out = str(tmp_path / "out")
+    main(["--model", tiny_dir, "--max-steps", "1", "--output-dir", out, "--eval-every", "0"] + TINY)
+    moved = shutil.copytree(tiny_dir, tmp_path / "moved")
+    (moved / "chat_template.jinja").write_text("{{ 'edited' }}")
+    a = grpo.parse_args(["--output-dir", out, "--resume", "--model", str(moved), "--max-steps", "2"])
+    _, tok, _ = grpo.load_model(a, torch.device("cpu"), os.path.join(out, "checkpoint"))
+    assert tok.chat_template == (pathlib.Path(tiny_dir) / "chat_template.jinja").read_text()
 
 
 def held_judge(tmp_path, out, after=0):
