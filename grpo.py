@@ -717,7 +717,8 @@ def aggregate_loss(loss, mask, mode: str, max_len: int, n_seqs=None, n_tokens=No
 def token_objective(logp, entropy, old_logp, ref_logp, sampler_logp, adv, mask, a: Args):
     """A micro-batch's per-token loss (N, C) before aggregation, its terms in --dry-run's order, and its
     diagnostics (N, C) by name, each logged as its mean over the trained tokens where finite. FORKER: a new
-    term or token weight is a line here, a metric one in `diag`; a step's statistic: rollout or loss_rows."""
+    term or token weight is a line here (`entropy` has no gradient; a term that is not 0 where A = 0 needs
+    loss_rows' skip off), a metric one in `diag`; a statistic over the step: rollout or loss_rows."""
     loss, diag = policy_loss(logp, old_logp, adv, mask, a)  # the surrogate
     # the sampler's own log-probs (NaN on teacher rows): their gap to the trainer's is its health check
     known = (mask > 0) & sampler_logp.isfinite()
