@@ -112,7 +112,7 @@ class Args:
     surrogate: str = flag("clip", "clip (PPO) | cispo | sapo (policy_loss)", ("clip", "cispo", "sapo"))
     sapo_tau_pos: float = flag(1.0, "SAPO gate temperature where A > 0")
     sapo_tau_neg: float = flag(1.05, "SAPO gate temperature where A < 0")
-    dual_clip: float = flag(0.0, "c > 1: where A < 0, r clamped at c: the loss at most c |A| (dual-clip PPO)")
+    dual_clip: float = flag(0.0, "c > 1: where A < 0 loss at most c |A| (c >= 1+eps_high: r clamped at c)")
     beta: float = flag(0.0, "KL weight against the reference (the adapter disabled)")
     kl: str = flag("k3", "KL term (kl_penalty)", ("k3", "k3_ratio", "k2"))
     mask_truncated: bool = flag(False, "DAPO §3.4 overlong filtering: no loss on completions without EOS")
@@ -474,6 +474,8 @@ def build_rewards(a: Args) -> list[tuple[str, object, float]]:
         if not callable(fn):
             fail(f"--reward-fn: {path} has no function {name!r}")
         fns.append((name, fn, 1.0))
+    if len({name for name, _, _ in fns}) < len(fns):  # each is logged as reward/<name>
+        fail("--rewards and --reward-fn name a reward twice: rename the function, or list the reward once")
     return fns
 
 def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns, a: Args):
@@ -658,7 +660,7 @@ def policy_loss(logp, old_logp, adv, mask, a: Args):
                  cispo: -sg(clip(r, 1-eps_low, 1+eps_high)) A log pi      MiniMax-M1 (2506.13585) eq. 4
                  sapo: -(4/tau) sigmoid(tau (r - 1)) A, tau by A's sign   SAPO (2511.20347)
       dual_clip  c: where A < 0 the loss is at most c |A|                 Dual-clip PPO (1912.09729);
-                 the same as r clamped at c there                         INTELLECT-2, verl's clip_ratio_c"""
+                 if c >= 1 + eps_high, the same as r clamped at c there   INTELLECT-2, verl's clip_ratio_c"""
     log_ratio = torch.where(mask != 0, logp - old_logp, 0)  # (N, C)
     if a.ratio == "sequence":
         log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (N, 1)

@@ -180,6 +180,16 @@ def loss_args(**kw):
     return grpo.Args(eps_low=0.2, eps_high=0.28, **kw)
 
 
+def test_dual_clip_is_the_ratio_clamped_at_c_when_c_clears_the_clip_range():
+    # INTELLECT-2's two-sided clip, written apart: where A < 0, -min(min(r, c) A, clip(r) A)
+    r = torch.linspace(0.1, 6.0, 300)[None]
+    adv = -torch.ones(1, 300)
+    for c, same in ((1.28, True), (3.0, True), (1.2, False)):
+        two_sided = -torch.min(torch.clamp(r, max=c) * adv, torch.clamp(r, 0.8, 1.28) * adv)
+        loss, _ = grpo.policy_loss(r.log(), torch.zeros_like(r), adv, torch.ones_like(r), loss_args(dual_clip=c))
+        assert torch.allclose(loss, two_sided, atol=1e-6) == same
+
+
 def test_clipped_surrogate_by_hand():
     ratio = torch.tensor([[1.5, 0.5, 0.5, 1.5, 1.1]])
     adv = torch.tensor([[1.0, -1.0, 1.0, -1.0, 1.0]])
@@ -237,6 +247,8 @@ def test_each_loss_off_policy_by_hand():
     assert grad([math.log(r)], -1.0) == pytest.approx([4.0, 4.0])
     assert grad([math.log(r)], -1.0, dual_clip=3.0) == pytest.approx([0.0, 3.0])
     assert grad([math.log(2.0)], -1.0, dual_clip=3.0) == pytest.approx([2.0, 2.0])  # under the cap: unchanged
+    r = 1.25  # inside [0.8, 1.28]: a c below 1 + eps_high caps the loss there too, where r clamped at c would not
+    assert grad([math.log(r)], -1.0, dual_clip=1.2) == pytest.approx([0.0, 1.2])
     # GSPO: log r = 0.1 and 0.3 (a third position padded) -> s = e^0.2 = 1.2214 < 1.28. The loss is -A s at
     # both tokens and d s / d logp_t = s / 2, so each token's gradient is -A s. Token ratios: -A e^0.1, and
     # e^0.3 = 1.35 is clipped (0)
@@ -667,6 +679,16 @@ def test_a_non_finite_reward_weight_stops_the_run():
             grpo.build_rewards(grpo.parse_args(["--rewards", f"correct:{w}"]))
     with pytest.raises(SystemExit, match="unknown reward 'corect'"):
         grpo.build_rewards(grpo.parse_args(["--rewards", "corect"]))
+
+
+def test_a_reward_named_twice_is_refused(tmp_path):
+    """reward/<name> is logged by name: a second `correct` would overwrite the first's metric, not its reward."""
+    (tmp_path / "rw.py").write_text("def correct(c, a, **kw):\n    return 0.5\n")
+    mine = f"{tmp_path}/rw.py:correct"
+    for argv in (["--rewards", "correct", "--reward-fn", mine], ["--rewards", "correct,format,correct:2"]):
+        with pytest.raises(SystemExit, match="name a reward twice"):
+            grpo.build_rewards(grpo.parse_args(argv))
+    assert [n for n, _, _ in grpo.build_rewards(grpo.parse_args(["--reward-fn", mine]))] == ["correct"]
 
 
 # ============================================================================= flags and data
