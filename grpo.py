@@ -163,9 +163,13 @@ def parse_args(argv=None) -> Args:
     if a.overlong_penalty and a.overlong_buffer == 0:  # derived values
         a.overlong_buffer = max(1, a.max_new_tokens // 5)
     for name in PATHS:  # saved absolute, so that --resume works from any directory
-        path = getattr(a, name).split(":")[0].split("@")[0]  # PATH.py:FUNCTION, DIR[:CONFIG][@SPLIT]
+        path, rest = split_path(getattr(a, name))
         if path and os.path.exists(path):
-            setattr(a, name, os.path.abspath(path) + getattr(a, name)[len(path):])
+            setattr(a, name, os.path.abspath(path) + rest)
+        was, was_rest = split_path(saved.get(name, getattr(a, name)))
+        if (bool(was), was_rest) != (bool(path), rest):  # '' for a path, another :FUNCTION, :CONFIG, @SPLIT
+            fail(f"--resume: {dash(name)} is {getattr(a, name)!r} here but {saved[name]!r} in the saved run: "
+                 f"a path may move, but name the same thing")
         if name in saved.get("files", {}) and saved["files"][name] != fingerprint(path):  # paths may move
             if name == "model":
                 fail(f"--resume: --model {a.model!r} is not the model the run started from (its config or "
@@ -173,6 +177,10 @@ def parse_args(argv=None) -> Args:
             print(f"grpo: note: the {dash(name)} file has changed since the run was saved", file=sys.stderr)
     check_args(a)
     return a
+
+def split_path(value: str) -> tuple[str, str]:  # PATH.py:FUNCTION, DIR[:CONFIG][@SPLIT] -> the path, the rest
+    path = value.split(":")[0].split("@")[0]
+    return path, value[len(path):]
 
 def check_args(a: Args):
     """Flags that would misbehave silently, or fail late, fail here: the first found, with what to change."""
@@ -199,7 +207,7 @@ def check_args(a: Args):
                                                              "and --teacher-per-group G_T > 0"),
         (a.split_grads and not a.teacher_pool, "--split-grads needs --teacher-pool (the teacher half)"),
         (a.dataset == "" and a.eval_prompts > HELD_OUT, f"--eval-prompts: the built-in task has {HELD_OUT}"),
-        (not a.rewards and not a.reward_fn, "no reward: give --rewards and/or --reward-fn"),
+        (not a.rewards.strip(", ") and not a.reward_fn, "no reward: give --rewards and/or --reward-fn"),
         (a.wandb_project and not importlib.util.find_spec("wandb"), "--wandb-project: `pip install wandb`")]
     for bad, msg in checks:
         if bad:
@@ -911,7 +919,7 @@ def save(model, tok, a: Args, state: dict):
         tok.save_pretrained(final + ".tmp")
         torch.save(state, os.path.join(final + ".tmp", "trainer_state.pt"))
         sizes = {e.name: e.stat().st_size for e in os.scandir(final + ".tmp") if e.name != "README.md"}
-        files = {name: fingerprint(getattr(a, name).split(":")[0].split("@")[0]) for name in PATHS}
+        files = {name: fingerprint(split_path(getattr(a, name))[0]) for name in PATHS}
         with open(os.path.join(final + ".tmp", "grpo_args.json"), "w") as f:
             json.dump({**vars(a), "step": state["step"], "sizes": sizes, "files": files}, f, indent=1)
     except (OSError, RuntimeError) as e:  # a full disk, say (torch.save's is a RuntimeError)
@@ -956,9 +964,10 @@ def on_signal(run):
 
 def check_output_dir(a: Args):  # before anything loads
     out = pathlib.Path(a.output_dir).resolve()
+    made = next(up for up in (out, *out.parents) if up.exists())  # out, or where it will be made
+    if not made.is_dir() or not os.access(made, os.W_OK | os.X_OK):
+        fail(f"--output-dir {a.output_dir!r} cannot be made: {str(made)!r} is not a directory we can write")
     for up in (out, *out.parents):  # (a run's saves replace its checkpoint dirs, beside its .lock)
-        if up.is_file():
-            fail(f"--output-dir {a.output_dir!r} cannot be made: {str(up)!r} is a file")
         if up.name in ("checkpoint", "checkpoint.old", "checkpoint.tmp") and (up.parent / ".lock").exists():
             fail(f"--output-dir {a.output_dir!r} is inside a checkpoint of the run in {str(up.parent)!r}")
 

@@ -679,6 +679,8 @@ def test_a_non_finite_reward_weight_stops_the_run():
             grpo.build_rewards(grpo.parse_args(["--rewards", f"correct:{w}"]))
     with pytest.raises(SystemExit, match="unknown reward 'corect'"):
         grpo.build_rewards(grpo.parse_args(["--rewards", "corect"]))
+    with pytest.raises(SystemExit, match="no reward: give --rewards and/or --reward-fn"):
+        grpo.parse_args(["--rewards", " , "])
 
 
 def test_a_reward_named_twice_is_refused(tmp_path):
@@ -2083,6 +2085,11 @@ def test_resume_refuses_another_base_model_and_names_a_changed_file(tiny_dir, tm
     with pytest.raises(SystemExit, match=f"^grpo: error: --resume: --model '{other}' is not the model the run "
                                          f"started from \\(its config or weights differ, or it is not there\\)"):
         grpo.parse_args(["--output-dir", out, "--resume", "--model", other, "--max-steps", "2"])
+    for flag, value in (("--reward-fn", f"{tmp_path}/rw.py:other"), ("--dataset", f"{tmp_path}/rw.py"),
+                        ("--reward-fn", "")):  # another function of the file; a path where none was; none
+        with pytest.raises(SystemExit, match=f"^grpo: error: --resume: {flag} is '{value}' here but .* in the "
+                                             f"saved run: a path may move, but name the same thing$"):
+            grpo.parse_args(["--output-dir", out, "--resume", flag, value, "--max-steps", "2"])
     moved = shutil.copytree(tiny_dir, tmp_path / "moved")
     reward_file(tmp_path, "def digits(c, a, **kw):\n    return sum(ch.isdigit() for ch in c) / 20\n")
     capsys.readouterr()
@@ -2269,14 +2276,15 @@ def test_ctrl_c_while_starting_is_one_line(tiny_dir, tmp_path, monkeypatch, caps
 
 
 def test_an_output_dir_that_cannot_be_made_or_that_a_run_deletes_is_refused_first(tiny_dir, tmp_path, monkeypatch):
-    """Under a file, or inside another run's checkpoint/ (.old/, .tmp/), which that run's next save deletes:
+    """Under a file or a device, or inside another run's checkpoint/ (.old/, .tmp/), which its next save deletes:
     one line, before the model loads."""
     monkeypatch.setattr(grpo, "load_model", lambda *args: pytest.fail("the model loaded"))
     run = tmp_path / "run"  # what a run leaves in its output dir
     (run / "checkpoint").mkdir(parents=True)
     (run / ".lock").touch()
     (tmp_path / "file").touch()
-    for out, says in ((tmp_path / "file" / "out", f"cannot be made: '{tmp_path}/file' is a file$"),
+    for out, says in ((tmp_path / "file" / "out", f"cannot be made: '{tmp_path}/file' is not a directory we can"),
+                      (pathlib.Path("/dev/null/out"), "cannot be made: '/dev/null' is not a directory we can write$"),
                       (run / "checkpoint", f"is inside a checkpoint of the run in '{run}'$"),
                       (run / "checkpoint.old" / "x", f"is inside a checkpoint of the run in '{run}'")):
         with pytest.raises(SystemExit, match=f"^grpo: error: --output-dir '{out}' {says}"):
