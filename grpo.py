@@ -167,7 +167,7 @@ def parse_args(argv=None) -> Args:
         if path and os.path.exists(path):
             setattr(a, name, os.path.abspath(path) + rest)
         was, was_rest = split_path(saved.get(name, getattr(a, name)))  # the saved run's, on --resume
-        if (bool(was), was_rest) != (bool(path), rest):  # a path added or dropped, another :FUNCTION or @SPLIT
+        if (bool(was), was_rest) != (bool(path), rest):  # a path added or dropped, other :FUNCTION, @SPLIT
             fail(f"--resume: {dash(name)} is {getattr(a, name)!r} here but {saved[name]!r} in the saved run: "
                  f"a path may move, but name the same thing")
         if name in saved.get("files", {}) and saved["files"][name] != fingerprint(path):  # paths may move
