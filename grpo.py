@@ -19,6 +19,7 @@ Shapes: B prompts a step, G completions a prompt (G_s + G_t), N rows (B*G, or a 
 length (left padded), C completion length (<= T = max_new_tokens), H hidden size, V vocabulary.
 """
 import argparse
+import collections
 import dataclasses
 import fcntl
 import importlib.util
@@ -54,8 +55,11 @@ def fail(msg: str):
     raise SystemExit(f"grpo: error: {msg}")
 
 # ----------------------------------------------------------------------------- flags and presets
-def flag(default, help, choices=()):
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices})
+def flag(default, help, choices=(), bounds="[0, inf)"):
+    """A flag: its default, also its "off" value (allowed whatever the bounds), help, choices, and for a
+    number the interval it must lie in (check_args enforces it; the dry-run test turns the flag on inside
+    it)."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "bounds": bounds})
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 PRESETS = {  # the papers' values
@@ -73,7 +77,7 @@ class Args:
     output_dir: str = flag("grpo_out", "checkpoint/ and metrics.jsonl go here")
     resume: bool = flag(False, "continue the run saved in --output-dir, with its flags")
     overwrite: bool = flag(False, "start over in an --output-dir that holds a run, deleting it")
-    max_steps: int = flag(200, "steps: a rollout each, and num_iterations optimizer updates on it")
+    max_steps: int = flag(200, "steps: a rollout, then num_iterations updates on it", bounds="(0, inf)")
     seed: int = flag(0, "seeds the data order, sampling (+1000 * rank) and the LoRA init")
     dry_run: bool = flag(False, "print the objective the flags optimise and the flags, then exit")
     save_every: int = flag(50, "steps between checkpoints (0: only at the end)")
@@ -83,15 +87,15 @@ class Args:
     eval_dataset: str = flag("", "held-out prompts, as --dataset (its split: test); '': the built-in task's")
     max_samples: int = flag(0, "train on the first N examples only (0: all)")
     eval_every: int = flag(50, "steps between evaluations, also before the first and at the last (0: none)")
-    eval_prompts: int = flag(64, "held-out prompts an evaluation")
+    eval_prompts: int = flag(64, "held-out prompts an evaluation", bounds="(0, inf)")
     eval_samples: int = flag(0, "k: also sample k completions a held-out prompt, for mean@k and pass@k")
     system_prompt: str = flag("Please reason step by step, and put your final answer within \\boxed{}.",
                               "system message of the chat template ('' for none)")
-    prompts_per_step: int = flag(8, "B: prompts (groups) a step, over all ranks")  # generate
-    num_generations: int = flag(8, "G_s: sampled completions a prompt")
-    max_new_tokens: int = flag(256, "T: completion length cap (also Dr. GRPO's constant normaliser)")
-    temperature: float = flag(1.0, "sampling temperature")
-    top_p: float = flag(1.0, "nucleus sampling (1: off)")
+    prompts_per_step: int = flag(8, "B: prompts (groups) a step, all ranks", bounds="(0, inf)")  # generate
+    num_generations: int = flag(8, "G_s: sampled completions a prompt", bounds="(0, inf)")
+    max_new_tokens: int = flag(256, "T: completion length cap (Dr. GRPO's normaliser)", bounds="(0, inf)")
+    temperature: float = flag(1.0, "sampling temperature", bounds="(0, inf)")
+    top_p: float = flag(1.0, "nucleus sampling (1: off)", bounds="(0, 1]")
     top_k: int = flag(0, "top-k sampling (0: off)")
     compile_generate: str = flag("auto", "compiled sampler (auto: with CUDA)", ("auto", "on", "off"))
     rewards: str = flag("correct", "built-in rewards, weighted: correct:1,format:0.2 (rewards.py)")  # reward
@@ -99,37 +103,38 @@ class Args:
     overlong_penalty: bool = flag(False, "DAPO §3.4 soft overlong punishment added to the reward")
     overlong_buffer: int = flag(0, "L_cache in tokens for the overlong penalty (0: T // 5)")
     scale: str = flag("std", "std: (R - mean) / (std + eps) | none: R - mean", ("std", "none"))  # advantage
-    std_eps: float = flag(1e-6, "eps in the std scaling and in the soft weights")
+    std_eps: float = flag(1e-6, "eps in the std scaling and in the soft weights", bounds="(0, inf)")
     soft_reweight: bool = flag(False, "Dr. GRPO+ soft: A *= std_g / max std over the step's groups")
     dynamic_sampling: bool = flag(False, "DAPO §3.2: keep groups of unequal rewards, sample again to refill")
-    max_gen_rounds: int = flag(4, "cap on sampling rounds a step for dynamic sampling")
+    max_gen_rounds: int = flag(4, "sampling rounds a step at most (dynamic sampling)", bounds="(0, inf)")
     top_k_groups: int = flag(0, "keep the k groups with the largest reward std (0: off)")
     skip_zero_variance: bool = flag(True, "no forward/backward for equal-reward groups (exact with beta 0)")
     loss_agg: str = flag("seq-mean-token-mean", "token losses to one number", LOSS_AGGS)  # loss
-    eps_low: float = flag(0.2, "ratio clipped below at 1 - eps_low")
+    eps_low: float = flag(0.2, "ratio clipped below at 1 - eps_low", bounds="[0, 1)")
     eps_high: float = flag(0.2, "ratio clipped above at 1 + eps_high (DAPO clip-higher: 0.28)")
     ratio: str = flag("token", "token: pi / pi_old | sequence: GSPO's", ("token", "sequence"))
     surrogate: str = flag("clip", "clip (PPO) | cispo | sapo (policy_loss)", ("clip", "cispo", "sapo"))
-    sapo_tau_pos: float = flag(1.0, "SAPO gate temperature where A > 0")
-    sapo_tau_neg: float = flag(1.05, "SAPO gate temperature where A < 0")
-    dual_clip: float = flag(0.0, "c > 1: where A < 0 loss at most c |A| (c >= 1+eps_high: r clamped at c)")
+    sapo_tau_pos: float = flag(1.0, "SAPO gate temperature where A > 0", bounds="(0, inf)")
+    sapo_tau_neg: float = flag(1.05, "SAPO gate temperature where A < 0", bounds="(0, inf)")
+    dual_clip: float = flag(0.0, "c: where A < 0 loss at most c |A| (c >= 1+eps_high: r clamped at c)",
+                            bounds="(1, inf)")
     beta: float = flag(0.0, "KL weight against the reference (the adapter disabled)")
     kl: str = flag("k3", "KL term (kl_penalty)", ("k3", "k3_ratio", "k2"))
     mask_truncated: bool = flag(False, "DAPO §3.4 overlong filtering: no loss on completions without EOS")
     tis: float = flag(0.0, "C: weight token losses by min(pi_old / pi_sampler, C), truncated IS (0: off)")
-    num_iterations: int = flag(1, "optimizer steps a rollout batch (old_logp computed once if > 1)")
+    num_iterations: int = flag(1, "updates a step (if > 1, old_logp computed once)", bounds="(0, inf)")
     teacher_pool: str = flag("", "JSONL of cached teacher completions: prompt, completion, reward")  # pool
     teacher_per_group: int = flag(0, "G_t: teacher completions a group, beside the G_s student samples")
     split_grads: bool = flag(False, "backpropagate student and teacher halves apart; log |g_s|, |g_t|, cos")
     lora_r: int = flag(16, "LoRA rank (0: full fine-tuning)")  # model and optimizer
-    lora_alpha: int = flag(32, "LoRA alpha")
-    lora_dropout: float = flag(0.0, "LoRA dropout (0 keeps logp deterministic between passes)")
+    lora_alpha: int = flag(32, "LoRA alpha", bounds="(0, inf)")
+    lora_dropout: float = flag(0.0, "LoRA dropout (0: logp the same in every pass)", bounds="[0, 1)")
     load_in_4bit: bool = flag(False, "QLoRA: 4-bit NF4 base weights (bitsandbytes)")
     dtype: str = flag("auto", "auto: bf16 where supported, else fp32", ("auto", "bf16", "fp32"))
     gradient_checkpointing: bool = flag(False, "recompute activations in backward")
-    micro_batch_size: int = flag(8, "rows a training forward/backward (gradient accumulation)")
+    micro_batch_size: int = flag(8, "rows a forward/backward (gradient accumulation)", bounds="(0, inf)")
     optim: str = flag("adamw_torch", "AdamW's", ("adamw_torch", "adamw_8bit", "paged_adamw_8bit"))
-    learning_rate: float = flag(2e-5, "AdamW learning rate")
+    learning_rate: float = flag(2e-5, "AdamW learning rate", bounds="(0, inf)")
     warmup_steps: int = flag(0, "linear warm-up of the learning rate over N steps (DAPO: 20)")
     weight_decay: float = flag(0.0, "AdamW weight decay")
     max_grad_norm: float = flag(1.0, "clip the gradient norm (0: no clipping)")
@@ -182,22 +187,22 @@ def split_path(value: str) -> tuple[str, str]:  # PATH.py:FUNCTION, DIR[:CONFIG]
     path = value.split(":")[0].split("@")[0]
     return path, value[len(path):]
 
+def within(value, bounds: str) -> bool:  # bounds: an interval as written, "[0, 1)"
+    low, high = (float(x) for x in bounds[1:-1].split(","))
+    above = value >= low if bounds[0] == "[" else value > low
+    return above and (value <= high if bounds[-1] == "]" else value < high)
+
 def check_args(a: Args):
-    """Flags that would misbehave silently, or fail late, fail here: the first found, with what to change."""
-    positive = ("max_steps prompts_per_step num_generations max_new_tokens max_gen_rounds micro_batch_size "
-                "num_iterations eval_prompts temperature std_eps sapo_tau_pos sapo_tau_neg lora_alpha "
-                "learning_rate top_p").split()
-    for name, value in dataclasses.asdict(a).items():  # every number flag is finite and >= 0; these > 0
-        floor = 0 if name in positive else -1  # value > floor
-        if type(value) in (int, float) and not (math.isfinite(value) and value >= 0 and value > floor):
-            fail(f"{dash(name)} must be a finite number {'> 0' if floor == 0 else '>= 0'}, not {value}")
+    """Flags that would misbehave silently, or fail late, fail here: the first found, with what to change.
+    A number flag outside the bounds it declares (unless it is its default, "off"), then checks between
+    flags."""
+    for f in dataclasses.fields(a):
+        value = getattr(a, f.name)
+        if type(value) in (int, float) and value != f.default and not within(value, f.metadata["bounds"]):
+            fail(f"{dash(f.name)} must be in {f.metadata['bounds']}, not {value}")
     checks = [
-        (a.top_p > 1, "--top-p must be in (0, 1]"),
-        (a.eps_low >= 1, "--eps-low must be in [0, 1)"),
-        (a.lora_dropout >= 1, "--lora-dropout must be in [0, 1)"),
         (not a.output_dir, "--output-dir must name a directory"),
-        (a.dual_clip and (a.dual_clip <= 1 or a.surrogate != "clip"),
-         "--dual-clip c caps the clipped surrogate's loss at c |A|: it needs c > 1 and --surrogate clip"),
+        (a.dual_clip and a.surrogate != "clip", "--dual-clip bounds the clip surrogate: set --surrogate clip"),
         (a.num_generations + a.teacher_per_group < 2, "a group needs 2 completions: raise --num-generations"),
         (a.resume and a.overwrite, "--resume continues the run, --overwrite deletes it: give one"),
         (a.load_in_4bit and a.lora_r == 0, "--load-in-4bit trains LoRA adapters: set --lora-r > 0"),
@@ -461,7 +466,7 @@ def compile_sampler(model, a: Args, prompt_len: int, world: int = 1) -> dict | N
     rows = a.prompts_per_step // world * a.num_generations
     return dict(prompt_len=prompt_len, rows=rows, compile_config=config)
 
-# ----------------------------------------------------------------------------- reward and advantage
+# ----------------------------------------------------------------------------- reward and groups
 def build_rewards(a: Args) -> list[tuple[str, object, float]]:
     fns = []
     for part in filter(None, a.rewards.split(",")):
@@ -487,8 +492,9 @@ def build_rewards(a: Args) -> list[tuple[str, object, float]]:
     return fns
 
 def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns, a: Args):
-    """Rewards (n,) and each function's values. A function gets the completion, the answer and, as keywords,
-    the example's other fields (as TRL's) and `length` (tokens); one that raises or gives no number stops."""
+    """Rewards (n,), each function's values, and the words --dry-run shows for what is added. A function gets
+    the completion, the answer and, as keywords, the example's other fields (as TRL's) and `length` (tokens);
+    one that raises or gives no number stops the run."""
     total = torch.zeros(len(texts))
     per_fn = {}
     for name, fn, weight in reward_fns:
@@ -503,22 +509,28 @@ def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns
                 fail(f"reward {name!r} returned {values[-1]!r:.60}: a reward is a number, finite in float32")
         per_fn[name] = torch.tensor([float(v) for v in values])
         total += weight * per_fn[name]
+    words = ""
     if a.overlong_penalty:  # DAPO §3.4, L_max = T
         total += torch.tensor([overlong_penalty(n, a.max_new_tokens, a.overlong_buffer) for n in lengths])
-    return total, per_fn
+        words = f" + overlong(L_cache={a.overlong_buffer})"
+    return total, per_fn, words
 
-def group_advantages(rewards: torch.Tensor, scale: str = "std", eps: float = 1e-6) -> torch.Tensor:
-    """rewards (B, G) -> adv (B, G). GRPO (2402.03300) §4.1.2: (R - mean) / (std + eps), std unbiased
-    (torch's default, as TRL and verl). scale='none', Dr. GRPO (2503.20783) §3.1: R - mean."""
-    adv = rewards - rewards.mean(1, keepdim=True)
-    if scale == "std":
-        adv = adv / (rewards.std(1, keepdim=True) + eps)
-    return adv
-
-def soft_weights(stds: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Dr. GRPO+ soft reweighting: w_g = std_g / (max_g' std_g' + eps), the max over the step's groups. No
-    paper: a soft form of RAGEN's hard variance filter (2504.20073 §4), which keeps only the top-k groups."""
-    return stds / (stds.max() + eps)
+def select_groups(rewards: torch.Tensor, a: Args) -> tuple[torch.Tensor, bool, str]:
+    """rewards (n, G): every rank's groups so far, in sampling order -> the indices of those to train, whether
+    B were found, and --dry-run's words. Dynamic sampling (DAPO §3.2) keeps groups whose rewards differ, and
+    rollout samples again until B are kept or max_gen_rounds; then the first B."""
+    keep = torch.arange(len(rewards))
+    words = "all"
+    if a.dynamic_sampling:
+        keep = keep[rewards.max(1).values > rewards.min(1).values]
+        words = f"dynamic sampling (≤{a.max_gen_rounds} rounds)"
+    enough = len(keep) >= a.prompts_per_step
+    keep = keep[:a.prompts_per_step]  # the first B kept, in the order one process samples them
+    if a.top_k_groups:  # the hard variance filter (RAGEN, 2504.20073 §4): the k groups of largest std
+        by_std = torch.argsort(rewards[keep].std(1), descending=True, stable=True)
+        keep = keep[by_std[:a.top_k_groups].sort().values]
+        words += f", then the top-{a.top_k_groups} by std"
+    return keep, enough, words
 
 # Several processes (torchrun): each rank samples whole groups; these two carry what the ranks share.
 def all_sum(x: torch.Tensor) -> torch.Tensor:
@@ -534,32 +546,9 @@ def all_gather(obj) -> list:  # [every rank's obj]
     return out
 
 def rollout(model, tok, stream, reward_fns, pool, a: Args, sampler=None, rank=0, world=1):
-    """A step's groups in three steps: sampled and scored; filtered, all ranks' together as one process
-    would; the advantage, once for the (B, G) rewards. Returns this rank's groups, metrics, all sampled."""
-    kept, generated, stats = sample_groups(model, tok, stream, reward_fns, pool, a, sampler, rank, world)
-    everyone = sorted(sum(all_gather([(g["order"], g["rewards"].tolist()) for g in kept]), []))
-    everyone = everyone[:a.prompts_per_step]  # the first B kept, in the order one process samples them
-    G = a.num_generations + a.teacher_per_group
-    rewards = torch.tensor([r for _, r in everyone]).view(-1, G)  # (B, G)
-    if a.top_k_groups:  # the hard variance filter (RAGEN, 2504.20073 §4): the k groups of largest std
-        keep = torch.argsort(rewards.std(1), descending=True, stable=True)[:a.top_k_groups].sort().values
-        everyone = [everyone[i] for i in keep.tolist()]
-        rewards = rewards[keep]
-    adv = group_advantages(rewards, a.scale, a.std_eps)  # (B, G): a statistic over the batch is a line here
-    if a.soft_reweight:
-        w = soft_weights(rewards.std(1), a.std_eps)  # (B,)
-        adv = adv * w[:, None]
-        stats.update({f"adv/soft_weight_{s}": getattr(w, s)().item() for s in ("min", "mean", "max")})
-    mine = {g["order"]: g for g in kept}
-    for (order, _), group_adv in zip(everyone, adv):
-        if order in mine:
-            mine[order]["adv"] = group_adv
-    stats["groups/kept"] = len(everyone)
-    return [g for g in kept if "adv" in g], stats, generated  # this rank's, in the order of `everyone`
-
-def sample_groups(model, tok, stream, reward_fns, pool, a: Args, sampler, rank: int, world: int):
-    """Sampling rounds: this rank's share of B prompts, G_s samples each and G_t teacher completions, scored.
-    Dynamic sampling (DAPO §3.2) keeps groups of unequal rewards and samples again until B are kept."""
+    """A step's groups: in rounds, this rank's share of B prompts, G_s samples each and G_t teacher
+    completions, scored; the groups to train chosen from every rank's (select_groups). Returns this rank's
+    groups to train (in sampling order), the step's metrics and every group sampled."""
     G_s = a.num_generations
     generated = []
     stats = {"time/generate": 0.0, "time/reward": 0.0}
@@ -570,8 +559,8 @@ def sample_groups(model, tok, stream, reward_fns, pool, a: Args, sampler, rank: 
         prompts, comps, truncated, logps = generate(model, tok, texts, G_s, a, sampler=sampler)
         t1 = time.time()
         texts = tok.batch_decode(comps, skip_special_tokens=True)
-        rewards, per_fn = score(texts, [ex for ex in batch for _ in range(G_s)], [len(c) for c in comps],
-                                reward_fns, a)
+        rewards, per_fn, _ = score(texts, [ex for ex in batch for _ in range(G_s)], [len(c) for c in comps],
+                                   reward_fns, a)
         for i, ex in enumerate(batch):
             rows = slice(i * G_s, (i + 1) * G_s)
             picks = random.sample(pool[ex["prompt"]], a.teacher_per_group) if pool else []
@@ -587,11 +576,13 @@ def sample_groups(model, tok, stream, reward_fns, pool, a: Args, sampler, rank: 
                 per_fn={k: v[rows] for k, v in per_fn.items()}))
         stats["time/generate"] += t1 - t0
         stats["time/reward"] += time.time() - t1
-        kept = [g for g in generated if not a.dynamic_sampling or g["rewards"].max() > g["rewards"].min()]
-        if all_sum(torch.tensor([len(kept)], device=model.device)).item() >= a.prompts_per_step:
+        everyone = sorted(sum(all_gather([(g["order"], g["rewards"].tolist()) for g in generated]), []))
+        keep, enough, _ = select_groups(torch.tensor([r for _, r in everyone]), a)
+        if enough:
             break
-    stats.update({"groups/gen_rounds": rounds, **group_metrics(generated)})
-    return kept, generated, stats
+    chosen = {everyone[i][0] for i in keep.tolist()}
+    stats.update({"groups/gen_rounds": rounds, "groups/kept": len(chosen), **group_metrics(generated)})
+    return [g for g in generated if g["order"] in chosen], stats, generated
 
 def group_metrics(groups: list[dict]) -> dict:
     """Rewards, lengths and accuracy (by `correct`, whatever trains) of every rank's completions."""
@@ -607,10 +598,12 @@ def group_metrics(groups: list[dict]) -> dict:
            "completion/truncated_frac": statistics.mean(r["truncated"] for r in students)}
     for name in students[0]["rewards"]:
         out[f"reward/{name}"] = statistics.mean(r["rewards"][name] for r in students)
-    if len(students) < len(rows):  # the mixed pool: reward/mean is over both sources
-        out["reward/mean_student"] = statistics.mean(r["reward"] for r in students)
-        out["reward/mean_teacher"] = statistics.mean(r["reward"] for r in rows if r["teacher"])
+    for source in ("student", "teacher") if len(students) < len(rows) else ():  # the mixed pool: per source
+        part = [r for r in rows if r["teacher"] == (source == "teacher")]
+        out[f"reward/mean_{source}"] = statistics.mean(r["reward"] for r in part)
+        out[f"completion/mean_length_{source}"] = statistics.mean(r["length"] for r in part)
     return out
+
 
 def collate(groups: list[dict], pad_id: int, device) -> dict:
     """Groups -> padded tensors, a row a completion (N = 0 on a rank that kept no group)."""
@@ -629,17 +622,16 @@ def collate(groups: list[dict], pad_id: int, device) -> dict:
         mask[r, :len(comp)] = 1
         sampler_logp[r, :len(comp)] = g["sampler_logp"][i]
     batch = dict(input_ids=ids, attention_mask=attn, mask=mask, sampler_logp=sampler_logp,
-                 adv=torch.tensor([float(g["adv"][i]) for g, i in rows]),  # (N,)
+                 reward=torch.tensor([float(g["rewards"][i]) for g, i in rows]),  # (N,)
+                 order=torch.tensor([g["order"] for g, _ in rows], dtype=torch.long),  # the group's place
                  truncated=torch.tensor([bool(g["truncated"][i]) for g, i in rows], dtype=torch.bool),
-                 is_teacher=torch.tensor([bool(g["is_teacher"][i]) for g, i in rows], dtype=torch.bool),
-                 zero_variance=torch.tensor([bool(min(g["rewards"]) == max(g["rewards"])) for g, _ in rows],
-                                            dtype=torch.bool))
+                 is_teacher=torch.tensor([bool(g["is_teacher"][i]) for g, i in rows], dtype=torch.bool))
     return {k: v.to(device) for k, v in batch.items()}
 
-# ----------------------------------------------------------------------------- log-probs and loss
+# ----------------------------------------------------------------------------- log-probs: the step's inputs
 def token_logps(model, input_ids, attention_mask, n_completion: int, temperature: float = 1.0):
-    """Log-probs and entropy (N, C) of the last C tokens from one forward (the entropy a metric, no gradient).
-    The output layer runs on chunks of 2^24 / V tokens, recomputed in backward: no (N, C, V) logits held."""
+    """Log-probs and entropy (N, C) of the last C tokens from one forward, both with gradient. The output
+    layer runs on chunks of 2^24 / V tokens, recomputed in backward: no (N, C, V) logits held."""
     pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
                                  use_cache=False).last_hidden_state[:, -n_completion - 1:-1]  # (N, C, H)
@@ -649,18 +641,92 @@ def token_logps(model, input_ids, attention_mask, n_completion: int, temperature
     def chunk(h, tgt):  # (n, H), (n,) -> logp, entropy (n,): hidden state t predicts token t+1
         logits = head(h).float() / temperature  # (n, V)
         lse = logits.logsumexp(-1)
-        with torch.no_grad():  # entropy from the same logits: a metric, no extra pass
-            entropy = lse - (logits.softmax(-1) * logits).sum(-1)
+        entropy = lse - (logits.softmax(-1) * logits).sum(-1)  # from the same logits: no extra pass
         return logits.gather(-1, tgt[:, None])[:, 0] - lse, entropy
     n = max(1, 2 ** 24 // head.weight.shape[0])  # tokens a chunk
     pieces = [checkpoint(chunk, h, t, use_reentrant=False) for h, t in zip(hidden.split(n), targets.split(n))]
     logp, entropy = zip(*pieces)
     return torch.cat(logp).view(len(input_ids), -1), torch.cat(entropy).view(len(input_ids), -1)
 
+def policy_logps(model, batch: dict, idx: list[int], a: Args):  # -> logp, entropy (n, C) of the rows idx
+    with autocast(a, batch["mask"].device):
+        C = batch["mask"].shape[1]
+        return token_logps(model, batch["input_ids"][idx], batch["attention_mask"][idx], C, a.temperature)
+
+def step_inputs(model, ref_model, batch: dict, names: set, rows: list[int], a: Args):
+    """batch[name] (N, C) for each step input a term reads (probe), on `rows` (NaN on others), without grad,
+    in micro-batches: old_logp and old_entropy by the policy before the step's first update, ref_logp by the
+    reference: the policy with its LoRA adapter off (no second copy), or full fine-tuning's frozen copy."""
+    if names - {"old_logp", "old_entropy", "ref_logp"}:
+        fail(f"a term reads {sorted(names)}: the step inputs are old_logp, old_entropy and ref_logp")
+    chunks = [rows[i:i + a.micro_batch_size] for i in range(0, len(rows), a.micro_batch_size)]
+    with torch.no_grad():
+        if names & {"old_logp", "old_entropy"}:
+            batch["old_logp"] = torch.full_like(batch["mask"], math.nan)
+            batch["old_entropy"] = torch.full_like(batch["mask"], math.nan)
+            for idx in chunks:
+                batch["old_logp"][idx], batch["old_entropy"][idx] = policy_logps(model, batch, idx, a)
+        if "ref_logp" in names:
+            batch["ref_logp"] = torch.full_like(batch["mask"], math.nan)
+            with model.disable_adapter() if ref_model is None else nullcontext():
+                for idx in chunks:
+                    batch["ref_logp"][idx] = policy_logps(ref_model or model, batch, idx, a)[0]
+
+def gather_step(batch: dict) -> tuple[dict, torch.Tensor]:
+    """Every rank's rows of the step (all but the token ids), on the CPU, in sampling order as one process has
+    them, C padded with 0 to the longest; and where this rank's rows are among them."""
+    mine = {k: v.cpu() for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
+    every = all_gather(mine)
+    C = max(part["mask"].shape[1] for part in every)
+    def widen(x):  # (n, C_rank) -> (n, C)
+        return torch.nn.functional.pad(x, (0, C - x.shape[1])) if x.dim() == 2 else x
+    step = {k: torch.cat([widen(part[k]) for part in every]) for k in mine}
+    order = torch.argsort(step["order"], stable=True)  # a group's rows stay together, in their order
+    start = sum(len(part["order"]) for part in every[:dist.get_rank() if dist.is_initialized() else 0])
+    return {k: v[order] for k, v in step.items()}, order.argsort()[start:start + len(mine["order"])]
+
+# ----------------------------------------------------------------------------- advantage and loss mask
+def group_advantages(rewards: torch.Tensor, scale: str = "std", eps: float = 1e-6):
+    """rewards (B, G) -> adv (B, G) and --dry-run's words. GRPO (2402.03300) §4.1.2: (R - mean) / (std + eps),
+    std unbiased (torch's default, as TRL and verl). scale='none', Dr. GRPO (2503.20783) §3.1: R - mean."""
+    adv = rewards - rewards.mean(1, keepdim=True)
+    if scale == "std":
+        return adv / (rewards.std(1, keepdim=True) + eps), f"(R_i - mean_g(R)) / (std_g(R) + {eps:g})"
+    return adv, "R_i - mean_g(R)"
+
+def soft_weights(stds: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Dr. GRPO+ soft reweighting: w_g = std_g / (max_g' std_g' + eps), the max over the step's groups. No
+    paper: a soft form of RAGEN's hard variance filter (2504.20073 §4), which keeps only the top-k groups."""
+    return stds / (stds.max() + eps)
+
+def step_terms(s: dict, a: Args):
+    """The step as one process sees it: every rank's rows in sampling order, a group's G rows together (M =
+    groups x G). s: rewards R (M,), the completion mask (M, C), truncated, is_teacher, sampler_logp, and what
+    a term reads of old_logp, old_entropy (the policy before the update) and ref_logp (M, C). Returns the
+    advantages (M,), the loss mask (M, C), the rows of groups whose rewards are all equal (A = 0), metrics
+    and --dry-run's words. FORKER: a term at the reward, advantage or mask level is a line here, its words
+    the next; a statistic over the step (a quantile, a batch std) sees every rank's rows."""
+    R, mask, stats = s["reward"], s["mask"], {}
+    words = {"R": "", "m": "1 up to and including the first EOS"}
+    rewards = R.view(-1, a.num_generations + a.teacher_per_group)  # (groups, G)
+    adv, words["A"] = group_advantages(rewards, a.scale, a.std_eps)
+    if a.soft_reweight:  # Dr. GRPO+ soft reweighting
+        w = soft_weights(rewards.std(1), a.std_eps)  # (groups,)
+        adv = adv * w[:, None]
+        stats.update({f"adv/soft_weight_{k}": getattr(w, k)().item() for k in ("min", "mean", "max")})
+        words["A"] += f"  ·  std_g / (max_g' std_g' + {a.std_eps:g})"
+    if a.mask_truncated:  # DAPO §3.4 overlong filtering: no loss, and no count in either normaliser
+        mask = mask * ~s["truncated"][:, None]
+        words["m"] += ", 0 on a truncated completion"
+    flat = (rewards.max(1).values == rewards.min(1).values).repeat_interleave(rewards.shape[1])  # (M,)
+    return adv.reshape(-1), mask, flat, stats, words
+
+# ----------------------------------------------------------------------------- the token loss
 def policy_loss(logp, old_logp, adv, mask, a: Args):
     """Per-token policy loss (N, C), each choice a flag; adv (N, 1). Diagnostics (N, C) by name: the ratio,
     where it left [1 - eps_low, 1 + eps_high] on the side that matters (below with A < 0, above with A > 0),
-    where dual-clip bound. With old_logp = logp.detach() (r = 1) every choice's gradient is -A grad log pi.
+    where dual-clip bound; and --dry-run's words. With old_logp = logp.detach() (r = 1) every choice's
+    gradient is -A grad log pi.
       ratio      token: r_t = pi / pi_old                                PPO, GRPO
                  sequence: s_i = exp(mean_t log r_t) at every token       GSPO (2507.18071) eq. 7; its
                  objective with --loss-agg seq-mean-token-mean (the paper's eps: 3e-4 / 4e-4)
@@ -670,23 +736,30 @@ def policy_loss(logp, old_logp, adv, mask, a: Args):
       dual_clip  c: where A < 0 the loss is at most c |A|                 Dual-clip PPO (1912.09729);
                  if c >= 1 + eps_high, the same as r clamped at c there   INTELLECT-2, verl's clip_ratio_c"""
     log_ratio = torch.where(mask != 0, logp - old_logp, 0)  # (N, C)
+    words = {"r": "π_θ/π_old per token"}
     if a.ratio == "sequence":
         log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (N, 1)
+        words["r"] = "s_i = exp(mean_t log π_θ/π_old)"
     ratio = torch.exp(log_ratio).expand_as(logp)
     clipped = torch.clamp(ratio, 1 - a.eps_low, 1 + a.eps_high)
+    clip = f"clip(r, 1-{a.eps_low:g}, 1+{a.eps_high:g})"
     diag = {"loss/ratio": ratio.detach(), "loss/clipfrac_low": (ratio < 1 - a.eps_low) & (adv < 0),
             "loss/clipfrac_high": (ratio > 1 + a.eps_high) & (adv > 0)}
     if a.surrogate == "cispo":
         loss = -clipped.detach() * adv * logp
+        words["ℓ"] = f"-sg({clip})·A_i·log π_θ"
     elif a.surrogate == "sapo":
         tau = torch.where(adv > 0, a.sapo_tau_pos, a.sapo_tau_neg)
         loss = -(4 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv
+        words["ℓ"] = f"-4/τ·σ(τ(r-1))·A_i, τ = {a.sapo_tau_pos:g} if A_i > 0 else {a.sapo_tau_neg:g}"
     else:
         loss = -torch.min(ratio * adv, clipped * adv)
+        words["ℓ"] = f"-min(r·A_i, {clip}·A_i)"
     if a.dual_clip:
         diag["loss/dual_clipfrac"] = (adv < 0) & (loss > -a.dual_clip * adv)
         loss = torch.where(adv < 0, torch.minimum(loss, -a.dual_clip * adv), loss)
-    return loss, diag
+        words["ℓ"] = f"min({words['ℓ']}, {a.dual_clip:g}·|A_i| if A_i < 0)"
+    return loss, diag, words
 
 def kl_penalty(logp, ref_logp, kind: str = "k3", old_logp=None):
     """Per-token KL (Schulman, "Approximating KL divergence", 2020), d = log ref - log pi; gradients under pi:
@@ -707,9 +780,11 @@ def kl_penalty(logp, ref_logp, kind: str = "k3", old_logp=None):
     ratio = torch.exp(logp.detach() - (logp.detach() if old_logp is None else old_logp))
     return ratio * (k3.detach() - d.detach() * (logp - logp.detach()))
 
+
 def aggregate_loss(loss, mask, mode: str, max_len: int, n_seqs=None, n_tokens=None):
-    """Token losses (N, C) -> scalar, with verl's names. n_seqs / n_tokens: the normalisers of the WHOLE
-    step (every micro-batch and rank; default: this batch's); a sequence with no loss token counts in neither.
+    """Token losses (N, C) -> scalar, with verl's names, and --dry-run's words. n_seqs / n_tokens: the
+    normalisers of the WHOLE step (every micro-batch and rank; default: this batch's); a sequence with no loss
+    token counts in neither.
       token-mean               Σ_i Σ_t l / Σ_i |o_i|                DAPO §3.3
       seq-mean-token-mean      Σ_i (Σ_t l / |o_i|) / n_seq          GRPO (2402.03300) eq. 3
       seq-mean-token-sum       Σ_i Σ_t l / n_seq                    Dr. GRPO+ soft (no paper)
@@ -718,77 +793,112 @@ def aggregate_loss(loss, mask, mode: str, max_len: int, n_seqs=None, n_tokens=No
     n_tokens = mask.sum() if n_tokens is None else n_tokens
     per_seq = torch.where(mask != 0, loss * mask, 0).sum(-1)  # (N,); a NaN or inf past EOS must not leak in
     if mode == "token-mean":
-        return per_seq.sum() / max(n_tokens, 1)
+        return per_seq.sum() / max(n_tokens, 1), "Σ_i Σ_t ℓ_i,t / Σ_i |o_i|"
     if mode == "seq-mean-token-mean":
-        per_seq = per_seq / mask.sum(-1).clamp(min=1)
-    return per_seq.sum() / (max(n_seqs, 1) * (max_len if mode == "seq-mean-token-sum-norm" else 1))
+        return (per_seq / mask.sum(-1).clamp(min=1)).sum() / max(n_seqs, 1), "Σ_i (Σ_t ℓ_i,t / |o_i|) / n_seq"
+    if mode == "seq-mean-token-sum":
+        return per_seq.sum() / max(n_seqs, 1), "Σ_i Σ_t ℓ_i,t / n_seq"
+    return per_seq.sum() / (max(n_seqs, 1) * max_len), f"Σ_i Σ_t ℓ_i,t / (n_seq·{max_len})"
 
-# ----------------------------------------------------------------------------- the step
-def token_objective(logp, entropy, old_logp, ref_logp, sampler_logp, adv, mask, a: Args):
-    """A micro-batch's per-token loss (N, C) before aggregation, its terms in --dry-run's order, and its
-    diagnostics (N, C) by name, each logged as its mean over the trained tokens where finite. FORKER: a new
-    term or token weight is a line here (`entropy` has no gradient; a term that is not 0 where A = 0 needs
-    loss_rows' skip off), a metric one in `diag`; a statistic over the step: rollout or loss_rows."""
-    loss, diag = policy_loss(logp, old_logp, adv, mask, a)  # the surrogate
+def token_objective(logp, entropy, b: dict, a: Args):
+    """A micro-batch's per-token loss ℓ (N, C) before aggregation, its terms in --dry-run's order, each beside
+    its words; its diagnostics (N, C) by name, each logged as its mean over the trained tokens where finite;
+    the words. logp, entropy (N, C): the policy's, with gradient. b: the micro-batch's rows of the step, adv
+    (N, 1), the loss mask, sampler_logp and what a term reads of the step inputs (step_inputs computes an
+    input because a term reads it). FORKER: a new term or token weight is a line here and its words the next,
+    a metric a line in `diag`; equal-reward groups are skipped only where ∇ℓ = 0 at A = 0 (probe)."""
+    old_logp = logp.detach()  # one update a step: ratio 1, no extra forward
+    words = {"π_old": "sg(π_θ): one update a step, so r = 1"}
+    if a.num_iterations > 1:  # teacher rows too: π_old is the policy's (advantage-weighted imitation)
+        old_logp = b["old_logp"]
+        words["π_old"] = f"π_θ before the first of {a.num_iterations} updates on the step's rows"
+    loss, diag, more = policy_loss(logp, old_logp, b["adv"], b["mask"], a)  # the surrogate
+    words.update(more)
     # the sampler's own log-probs (NaN on teacher rows): their gap to the trainer's is its health check
-    known = (mask > 0) & sampler_logp.isfinite()
-    diag["sampler/logp_gap"] = torch.where(known, (old_logp - sampler_logp).abs(), math.nan)
+    known = (b["mask"] > 0) & b["sampler_logp"].isfinite()
+    diag["sampler/logp_gap"] = torch.where(known, (old_logp - b["sampler_logp"]).abs(), math.nan)
     # truncated IS: Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"
     if a.tis:
-        loss = loss * torch.where(known, torch.exp(old_logp - sampler_logp).clamp(max=a.tis), 1)
-    # KL only where the mask is on: past EOS, exp(ref - logp) can overflow and its gradient be NaN
-    ref = logp.detach() if ref_logp is None else torch.where(mask > 0, ref_logp, logp.detach())
-    if a.beta:
+        loss = loss * torch.where(known, torch.exp(old_logp - b["sampler_logp"]).clamp(max=a.tis), 1)
+        words["ℓ"] += f" · min(π_old/π_sampler, {a.tis:g})"
+    diag["kl"] = torch.zeros_like(logp)  # k3's value, KL(π || ref), whatever --kl trains; 0 with no reference
+    if a.beta:  # KL only where the mask is on: past EOS, exp(ref - logp) can overflow and its gradient be NaN
+        ref = torch.where(b["mask"] > 0, b["ref_logp"], logp.detach())
         loss = loss + a.beta * kl_penalty(logp, ref, a.kl, old_logp)
-    diag["kl"] = kl_penalty(logp.detach(), ref)  # k3's value, KL(pi || ref), whatever --kl trains
+        diag["kl"] = kl_penalty(logp.detach(), ref)
+        words["ℓ"] += f" + {a.beta:g}·KL_{a.kl}(π_θ, π_ref)"
     diag["loss/token_mean"] = loss.detach()
-    diag["policy/entropy"] = entropy
-    return loss, diag
+    diag["policy/entropy"] = entropy.detach()
+    return loss, diag, words
 
-def loss_rows(batch: dict, a: Args):
-    """The loss mask (N, C); the step's n_seqs, n_tokens (skipped rows too, all ranks); the rows to train."""
-    mask = batch["mask"]
-    if a.mask_truncated:  # DAPO §3.4 overlong filtering: no loss, and no count in either normaliser
-        mask = mask * ~batch["truncated"][:, None]
-    has_loss = mask.sum(-1) > 0
-    n_seqs, n_tokens = all_sum(torch.stack([has_loss.sum().float(), mask.sum()])).tolist()
-    # equal rewards -> A = 0 -> no gradient but the KL's: skip those rows when beta = 0 (a new term: check)
-    skip = batch["zero_variance"] & (a.skip_zero_variance and a.beta == 0)
-    return mask, n_seqs, n_tokens, (has_loss & ~skip).nonzero()[:, 0].tolist()
+# ----------------------------------------------------------------------------- the step
+def probe(a: Args):
+    """The step's terms run on made-up numbers (one group of G rows of 3 tokens, off-policy: r != 1), without
+    a model: what train_step must know before a step, and what --dry-run shows. Returns the step inputs each
+    stage reads (computed then, and only then), whether ∇ℓ = 0 where A = 0 (then an equal-reward group's
+    forward/backward can be skipped and the gradient is unchanged), and the words each term wrote."""
+    G = a.num_generations + a.teacher_per_group
+    gen = torch.Generator().manual_seed(0)
+    def made_up():  # (G, 3) log-probs: any step input a term reads
+        return torch.rand(G, 3, generator=gen).log()
+    rows = dict(reward=torch.arange(G, dtype=torch.float), order=torch.zeros(G, dtype=torch.long),
+                mask=torch.ones(G, 3), truncated=torch.zeros(G, dtype=torch.bool),
+                is_teacher=torch.zeros(G, dtype=torch.bool), sampler_logp=made_up())
+    step = collections.defaultdict(made_up, rows)
+    *_, words = step_terms(step, a)
+    b = collections.defaultdict(made_up, rows, adv=torch.zeros(G, 1))  # A = 0
+    logp = made_up().requires_grad_()
+    entropy = torch.rand(G, 3, generator=gen).requires_grad_()
+    loss, _, more = token_objective(logp, entropy, b, a)
+    loss.sum().backward()
+    flat = not logp.grad.any() and (entropy.grad is None or not entropy.grad.any())
+    words.update(more)
+    words["loss"] = aggregate_loss(loss, rows["mask"], a.loss_agg, a.max_new_tokens)[1]
+    words["R"] = score([], [], [], [], a)[2] + words["R"]
+    words["groups"] = select_groups(torch.zeros(1, G), a)[2]
+    return {"step": set(step) - set(rows), "objective": set(b) - set(rows) - {"adv"}}, flat, words
 
-def train_step(model, ref_model, opt, batch: dict, a: Args) -> dict:
-    """num_iterations optimizer steps on one rollout batch: micro-batches, backward (--split-grads: student
-    and teacher rows apart), the gradient summed over ranks. Metrics: all ranks' trained rows, last update."""
+def prepare(model, ref_model, groups: list[dict], a: Args):
+    """The step before its first update: this rank's rows collated; the inputs its terms read, without
+    grad; step_terms on every rank's rows; this rank's advantages (also in its groups, for samples.jsonl),
+    loss mask and rows to train (an equal-reward group only where skipping it changes nothing); the step's
+    normalisers."""
+    device = next(model.parameters()).device
+    batch = collate(groups, model.generation_config.pad_token_id, device)
+    reads, flat_ok, _ = probe(a)
+    step_inputs(model, ref_model, batch, reads["step"], list(range(len(batch["order"]))), a)
+    step, mine = gather_step(batch)
+    adv, mask, flat, stats, _ = step_terms(step, a)
+    n_seqs, n_tokens = torch.stack([(mask.sum(-1) > 0).sum().float(), mask.sum()]).tolist()  # every rank's
+    batch["adv"] = adv[mine, None].to(device)  # (N, 1)
+    batch["mask"] = mask[mine, :batch["mask"].shape[1]].to(device)  # (N, C)
+    for g, group_adv in zip(groups, adv[mine].split([len(g["completions"]) for g in groups])):
+        g["adv"] = group_adv
+    skip = flat[mine].to(device) & (a.skip_zero_variance and flat_ok)
+    rows = ((batch["mask"].sum(-1) > 0) & ~skip).nonzero()[:, 0].tolist()
+    step_inputs(model, ref_model, batch, reads["objective"] - reads["step"], rows, a)
+    return batch, rows, n_seqs, n_tokens, stats
+
+def train_step(model, ref_model, opt, groups: list[dict], a: Args) -> dict:
+    """num_iterations optimizer steps on a step's groups (prepare): micro-batches, backward (--split-grads:
+    student and teacher rows apart), the gradient summed over ranks. Metrics: the step stage's, and all ranks'
+    trained rows in the last update."""
     params = [p for p in model.parameters() if p.requires_grad]
-    mask, n_seqs, n_tokens, rows = loss_rows(batch, a)
+    batch, rows, n_seqs, n_tokens, stats = prepare(model, ref_model, groups, a)
     chunks = [rows[i:i + a.micro_batch_size] for i in range(0, len(rows), a.micro_batch_size)]
-    def forward(idx, net):  # -> logp, entropy (n, C)
-        with autocast(a, params[0].device):
-            return token_logps(net, batch["input_ids"][idx], batch["attention_mask"][idx], mask.shape[1],
-                               a.temperature)
-    old_logp = ref_logp = [None] * len(chunks)
-    with torch.no_grad():  # per micro-batch, once, before the first update
-        if a.num_iterations > 1:
-            old_logp = [forward(idx, model)[0] for idx in chunks]
-        if a.beta > 0:  # the reference: the policy with its LoRA adapter off (no second copy), else a copy
-            with model.disable_adapter() if ref_model is None else nullcontext():
-                ref_logp = [forward(idx, ref_model or model)[0] for idx in chunks]
-    teacher = batch["is_teacher"][:, None].float()  # the mixed pool's two halves, one normaliser
+    mask, teacher = batch["mask"], batch["is_teacher"][:, None].float()  # the pool's halves, one normaliser
     parts = {"student": mask * (1 - teacher), "teacher": mask * teacher} if a.split_grads else {"all": mask}
     for update in range(a.num_iterations):
         for p in params:
             p.grad = torch.zeros_like(p)
         grads = {name: [torch.zeros_like(p) for p in params] for name in parts if a.split_grads}
         sums = {"loss": 0.0, "train/rows": len(rows)}
-        for j, idx in enumerate(chunks):
-            logp, entropy = forward(idx, model)
-            # num_iterations 1: old_logp = logp.detach(), ratio 1, no extra forward. Teacher rows have no
-            # sampler: their pi_old is the policy at the step's start (advantage-weighted imitation, not GRPO)
-            old = logp.detach() if old_logp[j] is None else old_logp[j]
-            loss, diag = token_objective(logp, entropy, old, ref_logp[j], batch["sampler_logp"][idx],
-                                         batch["adv"][idx][:, None], mask[idx], a)
+        for idx in chunks:
+            logp, entropy = policy_logps(model, batch, idx, a)
+            b = {k: v[idx] for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
+            loss, diag, _ = token_objective(logp, entropy, b, a)
             for name, part in parts.items():
-                agg = aggregate_loss(loss, part[idx], a.loss_agg, a.max_new_tokens, n_seqs, n_tokens)
+                agg, _ = aggregate_loss(loss, part[idx], a.loss_agg, a.max_new_tokens, n_seqs, n_tokens)
                 agg.backward(retain_graph=name == "student")
                 sums["loss"] += agg.detach()
                 for p, g in zip(params, grads.get(name, [])):  # harvested and reset between the passes,
@@ -798,6 +908,8 @@ def train_step(model, ref_model, opt, batch: dict, a: Args) -> dict:
                 valid = (mask[idx] > 0) & x.isfinite()
                 sums[key] = sums.get(key, 0) + torch.where(valid, x, 0).sum()
                 sums["n:" + key] = sums.get("n:" + key, 0) + valid.sum()
+                top = torch.where(valid, x, -math.inf).max()
+                sums["max:" + key] = max(sums.get("max:" + key, -math.inf), top)
         # the step's gradient is the SUM of the ranks' (each rank's loss carries the global normaliser)
         for g in sum(grads.values(), []) or [p.grad for p in params]:
             all_sum(g)
@@ -806,12 +918,14 @@ def train_step(model, ref_model, opt, batch: dict, a: Args) -> dict:
         total = {k: sum(d.get(k, 0.0) for d in every) for k in set().union(*every)}
         norm = torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm or math.inf).item()
         if not math.isfinite(norm + total["loss"]):  # not applied (the step's earlier updates were)
-            return {"train/not_finite": 1.0, "train/updates": update, "train/rows": total["train/rows"]}
+            return {**stats, "train/not_finite": 1.0, "train/updates": update, "train/rows": len(rows)}
         out["grad/norm"] = norm
         opt.step()
         opt.zero_grad(set_to_none=True)
     out.update({k: total[k] / total["n:" + k] for k in total if total.get("n:" + k)})
-    return {**out, "loss": total["loss"], "train/rows": total["train/rows"]}
+    if total.get("n:sampler/logp_gap"):  # the sampler's health check at its worst token
+        out["sampler/logp_gap_max"] = max(d["max:sampler/logp_gap"] for d in every)
+    return {**stats, **out, "loss": total["loss"], "train/rows": total["train/rows"]}
 
 def edit_source_grads(grads: dict, params: list, a: Args) -> dict:
     """--split-grads: the student and teacher gradients g_s, g_t, summed over micro-batches and ranks, before
@@ -1075,42 +1189,21 @@ def end_step(run, a: Args, step: int, m: dict, generated: list[dict]) -> bool:
     return stopping
 
 def describe(a: Args) -> str:
-    """--dry-run: the objective the flags optimise, its terms in token_objective's order, then every flag.
-    Each flag that changes the objective changes this text (a test checks)."""
-    clip = f"clip(r, 1-{a.eps_low:g}, 1+{a.eps_high:g})"
-    sapo = f"4/τ·σ(τ(r-1))·A_i, τ = {a.sapo_tau_pos:g} if A_i > 0 else {a.sapo_tau_neg:g}"
-    term = {"clip": f"min(r·A_i, {clip}·A_i)", "cispo": f"sg({clip})·A_i·log π_θ",
-            "sapo": sapo}[a.surrogate]
-    if a.dual_clip:
-        term = f"max({term}, {a.dual_clip:g}·A_i if A_i < 0)"
-    if a.tis:
-        term = f"min(π_old/π_sampler, {a.tis:g})·{term}"
-    if a.beta:
-        term += f" - {a.beta:g}·KL_{a.kl}"
-    norm = {"token-mean": "Σ_i |o_i|", "seq-mean-token-mean": "n_seq |o_i|", "seq-mean-token-sum": "n_seq",
-            "seq-mean-token-sum-norm": f"n_seq·{a.max_new_tokens}"}[a.loss_agg]
-    ratio = {"token": "π_θ/π_old per token", "sequence": "s_i = exp(mean_t log π_θ/π_old)"}[a.ratio]
-    old = f"π_old = π_θ before the first of {a.num_iterations} updates on a batch"
-    if a.num_iterations == 1:
-        old = "π_old = sg(π_θ): one update a batch, r = 1"
-    adv = {"std": f"(R_i - mean_g(R)) / (std_g(R) + {a.std_eps:g})", "none": "R_i - mean_g(R)"}[a.scale]
-    if a.soft_reweight:
-        adv += f"  ·  std_g / (max_g' std_g' + {a.std_eps:g})"
+    """--dry-run: the loss the flags optimise, in the words each term writes beside its math (probe: made-up
+    numbers, no model, no data), then every flag."""
+    _, flat_ok, w = probe(a)
     reward = " + ".join(filter(None, [a.rewards.replace(",", " + "), a.reward_fn]))
-    if a.overlong_penalty:
-        reward += f" + overlong(L_cache={a.overlong_buffer})"
-    filters = {f"dynamic sampling (≤{a.max_gen_rounds} rounds)": a.dynamic_sampling,
-               f"top-{a.top_k_groups} groups by std": a.top_k_groups, "truncated masked": a.mask_truncated}
-    lines = [f"J(θ) = E_q [ Σ_i Σ_t ({term}) / ({norm}) ],  r = {ratio}", f"  {old}",
+    lines = [f"loss = {w['loss']},  Σ_t over m_i,t = {w['m']}", f"  ℓ_i,t = {w['ℓ']},  r = {w['r']}",
+             f"  π_old = {w['π_old']}", f"  A_i = {w['A']}", f"  R_i = {reward}{w['R']}",
              f"  o_1..{a.num_generations} ~ π_old(·|q), temperature {a.temperature:g}, top-p {a.top_p:g}, "
              f"top-k {a.top_k}, |o_i| ≤ {a.max_new_tokens}; B = {a.prompts_per_step} prompts q a step",
-             f"  A_i = {adv}", f"  R = {reward}",
-             f"  filters: {', '.join(k for k, on in filters.items() if on) or 'none'}"]
+             f"  groups trained: {w['groups']}; those of equal rewards (A = 0) "
+             f"{'skipped: ∇ℓ = 0 there' if a.skip_zero_variance and flat_ok else 'trained'}"]
     if a.teacher_pool:
         lines.append(f"  + G_t = {a.teacher_per_group} teacher o_i a group ({a.teacher_pool}), R frozen; "
                      "on their rows π_old = π_θ at the step's start")
     if a.split_grads:
-        lines.append("  ∇J = g_s + g_t: student and teacher rows backpropagated apart (edit_source_grads)")
+        lines.append("  ∇ = g_s + g_t: student and teacher rows backpropagated apart (edit_source_grads)")
     flags = " ".join(f"{dash(k)} {v!r}" for k, v in vars(a).items())
     return "\n".join(lines + ["", textwrap.fill(flags, 100)])
 
@@ -1142,8 +1235,7 @@ def main(argv=None):
             for g in run.opt.param_groups:
                 g["lr"] = m["lr"]
             if m["groups/kept"]:  # the same on every rank; 0 when dynamic sampling kept nothing by its cap
-                batch = collate(groups, run.tok.pad_token_id, run.device)
-                m.update(train_step(run.model, run.ref_model, run.opt, batch, a))
+                m.update(train_step(run.model, run.ref_model, run.opt, groups, a))
             m["time/train"] = time.time() - t1
             if a.eval_every and run.evals and (step % a.eval_every == 0 or step == a.max_steps):
                 m.update(evaluate(run.model, run.tok, run.evals, a, run.rank, run.world, run.sampler))

@@ -56,9 +56,8 @@ def make_tiny(path, layers=2, hidden=64, seed=0, vocab=0, heads=4, kv_heads=2, i
 
 
 def fixed_groups(tok, rewards, a, seed=0, teacher_per_group=0):
-    """Groups as grpo.rollout() makes them, with seeded random completions instead of samples:
-    rewards (B, G) given, advantages from grpo.group_advantages. Last teacher_per_group rows of each
-    group are marked teacher."""
+    """Groups as grpo.rollout() makes them, with seeded random completions instead of samples: rewards (B, G)
+    given (grpo.train_step makes the advantages). Last teacher_per_group rows of each group are marked teacher."""
     import random
     import grpo
     rng = random.Random(seed)
@@ -76,8 +75,7 @@ def fixed_groups(tok, rewards, a, seed=0, teacher_per_group=0):
         groups.append(dict(prompt_ids=prompt_ids, completions=comps, truncated=truncated, rewards=rs,
                            texts=[""] * G, per_fn={}, answer="0", sampler_logp=[torch.full((len(c),), float("nan"))
                                                                                  for c in comps],
-                           is_teacher=[i >= G - teacher_per_group for i in range(G)],
-                           adv=grpo.group_advantages(rs[None], a.scale, a.std_eps)[0]))
+                           is_teacher=[i >= G - teacher_per_group for i in range(G)], order=b))
     return groups
 
 
@@ -93,6 +91,7 @@ def ddp_updates(model_dir, out):
     results = {}
     for loss_agg, split in CONFIGS:
         extra = ["--teacher-pool", "p.jsonl", "--teacher-per-group", "2", "--split-grads"] if split else []
+        extra += ["--num-generations", "2" if split else "4"]  # G = 4 rows a group, as the rewards below
         a = grpo.parse_args(["--model", model_dir, "--loss-agg", loss_agg, "--max-new-tokens", "8", "--max-grad-norm",
                              "0", "--micro-batch-size", "3", "--beta", "0", "--scale", "std"] + extra)
         torch.manual_seed(0)
@@ -101,8 +100,7 @@ def ddp_updates(model_dir, out):
         groups = fixed_groups(tok, rewards, a, seed=1, teacher_per_group=2 if split else 0)[rank::world]
         params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         before = {n: p.detach().clone() for n, p in params.items()}
-        m = grpo.train_step(model, None, torch.optim.SGD(params.values(), lr=1.0),
-                            grpo.collate(groups, tok.pad_token_id, device), a)
+        m = grpo.train_step(model, None, torch.optim.SGD(params.values(), lr=1.0), groups, a)
         results[(loss_agg, split)] = {"update": {n: p.detach() - before[n] for n, p in params.items()}, "metrics": m}
     if rank == 0:
         torch.save(results, out)
