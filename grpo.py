@@ -102,26 +102,43 @@ class Args:
     reward_fn: str = flag("", "your own reward, PATH.py:FUNCTION; used alone unless --rewards is given")
     overlong_penalty: bool = flag(False, "DAPO §3.4 soft overlong punishment added to the reward")
     overlong_buffer: int = flag(0, "L_cache in tokens for the overlong penalty (0: T // 5)")
-    scale: str = flag("std", "std: (R - mean) / (std + eps) | none: R - mean", ("std", "none"))  # advantage
+    kl_in_reward: float = flag(0.0, "β: R_i -= β Σ_t log π_old/π_ref before the advantage (RLOO's KL)")
+    adv_estimator: str = flag("grpo", "grpo | rloo | reinforce_plus_plus_baseline | gdpo (verl's names)",
+                              ("grpo", "rloo", "reinforce_plus_plus_baseline", "gdpo"))  # advantage
+    scale: str = flag("std", "grpo's: (R - mean_g) / (std_g + eps) | none: R - mean_g | batch: std_g -> std",
+                      ("std", "none", "batch"))
     std_eps: float = flag(1e-6, "eps in the std scaling and in the soft weights", bounds="(0, inf)")
     soft_reweight: bool = flag(False, "Dr. GRPO+ soft: A *= std_g / max std over the step's groups")
     dynamic_sampling: bool = flag(False, "DAPO §3.2: keep groups of unequal rewards, sample again to refill")
     max_gen_rounds: int = flag(4, "sampling rounds a step at most (dynamic sampling)", bounds="(0, inf)")
     top_k_groups: int = flag(0, "keep the k groups with the largest reward std (0: off)")
-    skip_zero_variance: bool = flag(True, "no forward/backward for equal-reward groups (exact with beta 0)")
+    skip_zero_variance: bool = flag(True, "no forward/backward for equal-reward groups, where ∇ = 0 at A = 0")
+    top_entropy_quantile: float = flag(1.0, "ρ: policy loss on the step's top-ρ entropy tokens only (1: all)",
+                                       bounds="[0, 1]")
     loss_agg: str = flag("seq-mean-token-mean", "token losses to one number", LOSS_AGGS)  # loss
     eps_low: float = flag(0.2, "ratio clipped below at 1 - eps_low", bounds="[0, 1)")
     eps_high: float = flag(0.2, "ratio clipped above at 1 + eps_high (DAPO clip-higher: 0.28)")
     ratio: str = flag("token", "token: pi / pi_old | sequence: GSPO's", ("token", "sequence"))
-    surrogate: str = flag("clip", "clip (PPO) | cispo | sapo (policy_loss)", ("clip", "cispo", "sapo"))
+    surrogate: str = flag("clip", "the token loss (policy_loss)", ("clip", "cispo", "sapo", "gmpo", "vespo",
+                                                                    "clip_cov", "kl_cov"))
     sapo_tau_pos: float = flag(1.0, "SAPO gate temperature where A > 0", bounds="(0, inf)")
     sapo_tau_neg: float = flag(1.05, "SAPO gate temperature where A < 0", bounds="(0, inf)")
     dual_clip: float = flag(0.0, "c: where A < 0 loss at most c |A| (c >= 1+eps_high: r clamped at c)",
                             bounds="(1, inf)")
+    cov_ratio: float = flag(2e-4, "clip_cov, kl_cov: the share of a micro-batch's tokens they select")
+    cov_low: float = flag(1.0, "clip_cov: it selects among tokens of cov_low < cov(A, log π) < cov_high",
+                          bounds="(-inf, inf)")
+    cov_high: float = flag(5.0, "clip_cov: see --cov-low", bounds="(-inf, inf)")
+    cov_kl_coef: float = flag(0.1, "kl_cov: the |log r| penalty's weight on the selected tokens")
+    opsm_delta: float = flag(math.inf, "δ: no policy loss where A < 0 and mean_t log π_sampler/π > δ")
     beta: float = flag(0.0, "KL weight against the reference (the adapter disabled)")
     kl: str = flag("k3", "KL term (kl_penalty)", ("k3", "k3_ratio", "k2"))
     mask_truncated: bool = flag(False, "DAPO §3.4 overlong filtering: no loss on completions without EOS")
-    tis: float = flag(0.0, "C: weight token losses by min(pi_old / pi_sampler, C), truncated IS (0: off)")
+    tis: float = flag(0.0, "C: weight the policy loss by w = π_old/π_sampler at most C (0: off)")
+    tis_mode: str = flag("token_truncate", "w per token or its product over o_i; clamped, or 0 outside",
+                         ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"))
+    tis_min: float = flag(0.0, "w's floor: clamped, or masked below it (IcePop's 0.5)")
+    entropy_coef: float = flag(0.0, "c: loss -= c H, the entropy bonus, aggregated as the loss")
     num_iterations: int = flag(1, "updates a step (if > 1, old_logp computed once)", bounds="(0, inf)")
     teacher_pool: str = flag("", "JSONL of cached teacher completions: prompt, completion, reward")  # pool
     teacher_per_group: int = flag(0, "G_t: teacher completions a group, beside the G_s student samples")
@@ -202,7 +219,7 @@ def check_args(a: Args):
             fail(f"{dash(f.name)} must be in {f.metadata['bounds']}, not {value}")
     checks = [
         (not a.output_dir, "--output-dir must name a directory"),
-        (a.dual_clip and a.surrogate != "clip", "--dual-clip bounds the clip surrogate: set --surrogate clip"),
+        (a.dual_clip and a.surrogate != "clip", "--dual-clip caps the clip surrogate: add --surrogate clip"),
         (a.num_generations + a.teacher_per_group < 2, "a group needs 2 completions: raise --num-generations"),
         (a.resume and a.overwrite, "--resume continues the run, --overwrite deletes it: give one"),
         (a.load_in_4bit and a.lora_r == 0, "--load-in-4bit trains LoRA adapters: set --lora-r > 0"),
@@ -614,6 +631,7 @@ def collate(groups: list[dict], pad_id: int, device) -> dict:
     attn = torch.zeros(len(rows), P + C, dtype=torch.long)
     mask = torch.zeros(len(rows), C)  # (N, C)
     sampler_logp = torch.full((len(rows), C), math.nan)  # (N, C); NaN where unknown (teacher rows)
+    per_fn = [[float(v[i]) if i < len(v) else math.nan for v in g["per_fn"].values()] for g, i in rows]
     for r, (g, i) in enumerate(rows):
         prompt, comp = g["prompt_ids"], g["completions"][i]
         ids[r, P - len(prompt):P] = prompt
@@ -623,6 +641,7 @@ def collate(groups: list[dict], pad_id: int, device) -> dict:
         sampler_logp[r, :len(comp)] = g["sampler_logp"][i]
     batch = dict(input_ids=ids, attention_mask=attn, mask=mask, sampler_logp=sampler_logp,
                  reward=torch.tensor([float(g["rewards"][i]) for g, i in rows]),  # (N,)
+                 per_fn=torch.tensor(per_fn or [[]])[:len(rows)],  # (N, K), (0, 0) with no row
                  order=torch.tensor([g["order"] for g, _ in rows], dtype=torch.long),  # the group's place
                  truncated=torch.tensor([bool(g["truncated"][i]) for g, i in rows], dtype=torch.bool),
                  is_teacher=torch.tensor([bool(g["is_teacher"][i]) for g, i in rows], dtype=torch.bool))
@@ -674,13 +693,13 @@ def step_inputs(model, ref_model, batch: dict, names: set, rows: list[int], a: A
 
 def gather_step(batch: dict) -> tuple[dict, torch.Tensor]:
     """Every rank's rows of the step (all but the token ids), on the CPU, in sampling order as one process has
-    them, C padded with 0 to the longest; and where this rank's rows are among them."""
+    them, (n, C) padded with 0 to the longest; and where this rank's rows are among them."""
     mine = {k: v.cpu() for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
     every = all_gather(mine)
-    C = max(part["mask"].shape[1] for part in every)
-    def widen(x):  # (n, C_rank) -> (n, C)
-        return torch.nn.functional.pad(x, (0, C - x.shape[1])) if x.dim() == 2 else x
-    step = {k: torch.cat([widen(part[k]) for part in every]) for k in mine}
+    def widen(k, x):  # (n, C_rank) -> (n, C), C the longest
+        width = max(part[k].shape[-1] for part in every)
+        return torch.nn.functional.pad(x, (0, width - x.shape[-1])) if x.dim() == 2 else x
+    step = {k: torch.cat([widen(k, part[k]) for part in every]) for k in mine}
     order = torch.argsort(step["order"], stable=True)  # a group's rows stay together, in their order
     start = sum(len(part["order"]) for part in every[:dist.get_rank() if dist.is_initialized() else 0])
     return {k: v[order] for k, v in step.items()}, order.argsort()[start:start + len(mine["order"])]
@@ -688,10 +707,13 @@ def gather_step(batch: dict) -> tuple[dict, torch.Tensor]:
 # ----------------------------------------------------------------------------- advantage and loss mask
 def group_advantages(rewards: torch.Tensor, scale: str = "std", eps: float = 1e-6):
     """rewards (B, G) -> adv (B, G) and --dry-run's words. GRPO (2402.03300) §4.1.2: (R - mean) / (std + eps),
-    std unbiased (torch's default, as TRL and verl). scale='none', Dr. GRPO (2503.20783) §3.1: R - mean."""
+    std unbiased (torch's default, as TRL and verl). scale='none', Dr. GRPO (2503.20783) §3.1: R - mean.
+    scale='batch', Lite PPO (2508.08221): the group's mean, the std of the step's rewards (TRL's "batch")."""
     adv = rewards - rewards.mean(1, keepdim=True)
     if scale == "std":
         return adv / (rewards.std(1, keepdim=True) + eps), f"(R_i - mean_g(R)) / (std_g(R) + {eps:g})"
+    if scale == "batch":
+        return adv / (rewards.std() + eps), f"(R_i - mean_g(R)) / (std(R) + {eps:g})"
     return adv, "R_i - mean_g(R)"
 
 def soft_weights(stds: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -706,10 +728,33 @@ def step_terms(s: dict, a: Args):
     advantages (M,), the loss mask (M, C), the rows of groups whose rewards are all equal (A = 0), metrics
     and --dry-run's words. FORKER: a term at the reward, advantage or mask level is a line here, its words
     the next; a statistic over the step (a quantile, a batch std) sees every rank's rows."""
-    R, mask, stats = s["reward"], s["mask"], {}
+    R, mask, stats, G = s["reward"], s["mask"], {}, a.num_generations + a.teacher_per_group
     words = {"R": "", "m": "1 up to and including the first EOS"}
-    rewards = R.view(-1, a.num_generations + a.teacher_per_group)  # (groups, G)
+    if a.kl_in_reward:  # as verl's use_kl_in_reward: k1 = log π_old - log π_ref summed over o_i
+        kl = torch.where(mask > 0, s["old_logp"] - s["ref_logp"], 0).sum(-1)  # (M,)
+        R = R - a.kl_in_reward * kl
+        stats["kl/in_reward"] = kl.mean().item()
+        words["R"] = f" - {a.kl_in_reward:g}·Σ_t log π_old/π_ref"
+    rewards = R.view(-1, G)  # (groups, G)
+    flat = (rewards.max(1).values == rewards.min(1).values).repeat_interleave(G)  # (M,): A = 0 in the group
     adv, words["A"] = group_advantages(rewards, a.scale, a.std_eps)
+    if a.adv_estimator == "rloo":  # RLOO (2402.14740): R_i minus the mean of the group's other G - 1
+        adv = (rewards - rewards.mean(1, keepdim=True)) * G / (G - 1)
+        words["A"] = "R_i - mean_{j≠i}(R_j) = G/(G-1)·(R_i - mean_g(R))"
+    if a.adv_estimator == "reinforce_plus_plus_baseline":  # REINFORCE++ (2501.03262), as verl's: the group
+        adv = rewards - rewards.mean(1, keepdim=True)  # mean out, then whitened over the step's tokens
+        L = s["mask"].sum(-1).view_as(adv)  # (a completion weighs by its length)
+        mean = (L * adv).sum() / L.sum()
+        adv = (adv - mean) * torch.rsqrt((L * (adv - mean) ** 2).sum() / (L.sum() - 1) + 1e-8)
+        flat = flat & False  # whitened: an equal-reward group's A is not 0
+        words["A"] = "(a_i - mean_t(a)) / std_t(a) over the step's tokens, a_i = R_i - mean_g(R)"
+    if a.adv_estimator == "gdpo":  # GDPO (2601.05242), as TRL's normalize_then_sum: each reward normalised in
+        parts = s["per_fn"].T.reshape(-1, *rewards.shape)  # its group, weighted, summed, then whitened over
+        weights = [float(w or 1) for _, _, w in (p.partition(":") for p in a.rewards.split(",") if p)]
+        S = sum(w * group_advantages(r, "std", a.std_eps)[0] for w, r in zip(weights + [1.0], parts))
+        adv = (S - S.mean()) / (S.std() + a.std_eps)  # the step's completions
+        flat = flat & False  # equal totals need not mean equal parts
+        words["A"] = "(S_i - mean(S)) / std(S), S_i = Σ_k w_k (R_k,i - mean_g(R_k)) / std_g(R_k)"
     if a.soft_reweight:  # Dr. GRPO+ soft reweighting
         w = soft_weights(rewards.std(1), a.std_eps)  # (groups,)
         adv = adv * w[:, None]
@@ -718,36 +763,77 @@ def step_terms(s: dict, a: Args):
     if a.mask_truncated:  # DAPO §3.4 overlong filtering: no loss, and no count in either normaliser
         mask = mask * ~s["truncated"][:, None]
         words["m"] += ", 0 on a truncated completion"
-    flat = (rewards.max(1).values == rewards.min(1).values).repeat_interleave(rewards.shape[1])  # (M,)
-    return adv.reshape(-1), mask, flat, stats, words
+    row_adv = adv.reshape(-1)  # (M,): A_i; then token-level terms
+    adv = row_adv[:, None]
+    if a.top_entropy_quantile < 1:  # 80/20 (2506.01939): the policy loss on the top-ρ tokens by π_old's
+        H = s["old_entropy"]  # entropy, every trained token of the step (the KL and normalisers as they were)
+        adv = adv * (H >= torch.quantile(H[mask > 0], 1 - a.top_entropy_quantile))
+        words["A"] += f"  ·  1[H_i,t ≥ its {1 - a.top_entropy_quantile:g} quantile in the step]"
+    return adv, row_adv, mask, flat, stats, words
 
 # ----------------------------------------------------------------------------- the token loss
 def policy_loss(logp, old_logp, adv, mask, a: Args):
-    """Per-token policy loss (N, C), each choice a flag; adv (N, 1). Diagnostics (N, C) by name: the ratio,
-    where it left [1 - eps_low, 1 + eps_high] on the side that matters (below with A < 0, above with A > 0),
-    where dual-clip bound; and --dry-run's words. With old_logp = logp.detach() (r = 1) every choice's
-    gradient is -A grad log pi.
+    """Per-token policy loss (N, C), each choice a flag; adv (N, 1) or (N, C). Diagnostics (N, C) by name: the
+    ratio, where it left [1 - eps_low, 1 + eps_high] on the side that matters (below with A < 0, above with
+    A > 0), where dual-clip bound; and --dry-run's words. With old_logp = logp.detach() (r = 1) every choice's
+    gradient is -A grad log pi (clip_cov's picked tokens: none).
       ratio      token: r_t = pi / pi_old                                PPO, GRPO
                  sequence: s_i = exp(mean_t log r_t) at every token       GSPO (2507.18071) eq. 7; its
-                 objective with --loss-agg seq-mean-token-mean (the paper's eps: 3e-4 / 4e-4)
+                 objective with --loss-agg seq-mean-token-mean (the paper's eps: 3e-4 / 4e-4); LUSPO
+                 (2602.05261) is GSPO with --loss-agg seq-mean-token-sum (TRL's loss_type="luspo")
       surrogate  clip: -min(r A, clip(r, 1-eps_low, 1+eps_high) A)       PPO; DAPO §3.1 clip-higher
                  cispo: -sg(clip(r, 1-eps_low, 1+eps_high)) A log pi      MiniMax-M1 (2506.13585) eq. 4
                  sapo: -(4/tau) sigmoid(tau (r - 1)) A, tau by A's sign   SAPO (2511.20347)
+                 gmpo: -A exp(mean_t log r_t clipped to [-eps_low,        GMPO (2507.20673), verl's geo_mean:
+                 eps_high] on A's side)                                   eps in log space (paper: 0.4), with
+                                                                          --loss-agg seq-mean-token-mean
+                 vespo: -sg(w^k e^(lam (1 - w))) A log pi, w = prod_t r_t VESPO (2602.10693), TRL's defaults:
+                 (k, lam) = (2, 3) where A >= 0, (3, 2) where A < 0
+                 clip_cov: clip, and no loss at cov_ratio of the tokens, Clip-Cov (2505.22617 §4.3), as verl:
+                 drawn among the unclipped of cov_low < cov < cov_high    over a micro-batch; cov =
+                 kl_cov: -r A + cov_kl_coef |log r| at the cov_ratio of   (A - mean A)(log pi - mean log pi)
+                 the tokens of largest cov, -r A elsewhere                KL-Cov (same), as verl
       dual_clip  c: where A < 0 the loss is at most c |A|                 Dual-clip PPO (1912.09729);
                  if c >= 1 + eps_high, the same as r clamped at c there   INTELLECT-2, verl's clip_ratio_c"""
     log_ratio = torch.where(mask != 0, logp - old_logp, 0)  # (N, C)
+    log_r = log_ratio
     words = {"r": "π_θ/π_old per token"}
     if a.ratio == "sequence":
-        log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (N, 1)
+        log_r = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (N, 1)
         words["r"] = "s_i = exp(mean_t log π_θ/π_old)"
-    ratio = torch.exp(log_ratio).expand_as(logp)
+    ratio = torch.exp(log_r).expand_as(logp)
     clipped = torch.clamp(ratio, 1 - a.eps_low, 1 + a.eps_high)
     clip = f"clip(r, 1-{a.eps_low:g}, 1+{a.eps_high:g})"
     diag = {"loss/ratio": ratio.detach(), "loss/clipfrac_low": (ratio < 1 - a.eps_low) & (adv < 0),
             "loss/clipfrac_high": (ratio > 1 + a.eps_high) & (adv > 0)}
+    if a.surrogate in ("clip_cov", "kl_cov"):  # the micro-batch's tokens by their covariance, as verl's
+        m = mask != 0
+        cov = (adv - adv.expand_as(logp)[m].mean()) * (logp - logp[m].mean()).detach()  # (N, C)
+        n = max(1, int(a.cov_ratio * m.sum()))  # tokens selected
     if a.surrogate == "cispo":
         loss = -clipped.detach() * adv * logp
         words["ℓ"] = f"-sg({clip})·A_i·log π_θ"
+    elif a.surrogate == "gmpo":
+        log_r = torch.where(adv > 0, log_ratio.clamp(max=a.eps_high), log_ratio.clamp(min=-a.eps_low))
+        loss = -adv * torch.exp(log_r.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1))
+        words["ℓ"] = f"-A_i·exp(mean_t clip(log r_t, -{a.eps_low:g}, {a.eps_high:g}) on A_i's side)"
+    elif a.surrogate == "vespo":
+        log_w = log_ratio.detach().clamp(-20, 20).sum(-1, keepdim=True).clamp(math.log(1e-8), 20)  # (N, 1)
+        k = torch.where(adv >= 0, 2.0, 3.0)
+        lam = torch.where(adv >= 0, 3.0, 2.0)
+        loss = -torch.exp(lam + k * log_w - lam * log_w.exp()) * adv * logp  # w = e^log_w, at most e^20
+        words["ℓ"] = "-sg(w^k·e^(λ(1-w)))·A_i·log π_θ, w = Π_t r_t, (k, λ) = (2, 3) if A_i ≥ 0 else (3, 2)"
+    elif a.surrogate == "clip_cov":
+        loss = -torch.min(ratio * adv, clipped * adv)
+        free = (m & (loss == -ratio * adv) & (cov > a.cov_low) & (cov < a.cov_high)).flatten().nonzero()[:, 0]
+        loss = loss.flatten().index_fill(0, free[torch.randperm(len(free))[:n]], 0).view_as(loss)
+        words["ℓ"] = (f"-min(r·A_i, {clip}·A_i), 0 at {a.cov_ratio:g} of the tokens, drawn where "
+                      f"{a.cov_low:g} < cov(A, log π) < {a.cov_high:g}")
+    elif a.surrogate == "kl_cov":
+        top = cov.where(m, -math.inf).flatten().topk(n).indices
+        picked = torch.zeros_like(logp).flatten().index_fill(0, top, 1).view_as(logp)
+        loss = -ratio * adv + a.cov_kl_coef * picked * log_ratio.abs()
+        words["ℓ"] = f"-r·A_i + {a.cov_kl_coef:g}·|log r| at the top {a.cov_ratio:g} of tokens by cov(A, π)"
     elif a.surrogate == "sapo":
         tau = torch.where(adv > 0, a.sapo_tau_pos, a.sapo_tau_neg)
         loss = -(4 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv
@@ -817,16 +903,30 @@ def token_objective(logp, entropy, b: dict, a: Args):
     # the sampler's own log-probs (NaN on teacher rows): their gap to the trainer's is its health check
     known = (b["mask"] > 0) & b["sampler_logp"].isfinite()
     diag["sampler/logp_gap"] = torch.where(known, (old_logp - b["sampler_logp"]).abs(), math.nan)
-    # truncated IS: Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training"
+    if a.opsm_delta < math.inf:  # off-policy sequence masking: DeepSeek-V3.2 (2512.02556) eq. 9, as TRL's
+        drift = torch.where(known, b["sampler_logp"], old_logp) - logp.detach()  # teacher rows: π_old
+        drift = torch.where(b["mask"] > 0, drift, 0).sum(-1, keepdim=True) / b["mask"].sum(-1, keepdim=True)
+        loss = loss * ((b["adv"] >= 0) | (drift <= a.opsm_delta))
+        words["ℓ"] = f"({words['ℓ']})·1[A_i ≥ 0 or mean_t log π_sampler/π_θ ≤ {a.opsm_delta:g}]"
+    # IS against the sampler: truncated (Yao et al. 2025, "Your efficient RL framework secretly brings you
+    # off-policy RL training"), or masked outside [tis_min, tis] (IcePop); per token, or o_i's product
     if a.tis:
-        loss = loss * torch.where(known, torch.exp(old_logp - b["sampler_logp"]).clamp(max=a.tis), 1)
-        words["ℓ"] += f" · min(π_old/π_sampler, {a.tis:g})"
+        log_w = torch.where(known, old_logp - b["sampler_logp"], 0)
+        w = torch.exp(log_w if a.tis_mode.startswith("token") else log_w.sum(-1, keepdim=True))
+        cut = w.clamp(a.tis_min, a.tis)
+        if a.tis_mode.endswith("mask"):
+            cut = torch.where(cut == w, w, 0)
+        loss = loss * torch.where(known, cut, 1)  # teacher rows (no sampler): 1
+        words["ℓ"] = f"({words['ℓ']})·{a.tis_mode}(π_old/π_sampler, [{a.tis_min:g}, {a.tis:g}])"
     diag["kl"] = torch.zeros_like(logp)  # k3's value, KL(π || ref), whatever --kl trains; 0 with no reference
-    if a.beta:  # KL only where the mask is on: past EOS, exp(ref - logp) can overflow and its gradient be NaN
+    if a.beta:  # KL only where the mask is on: past EOS, exp(ref - logp) can overflow, its gradient be NaN
         ref = torch.where(b["mask"] > 0, b["ref_logp"], logp.detach())
         loss = loss + a.beta * kl_penalty(logp, ref, a.kl, old_logp)
         diag["kl"] = kl_penalty(logp.detach(), ref)
         words["ℓ"] += f" + {a.beta:g}·KL_{a.kl}(π_θ, π_ref)"
+    if a.entropy_coef:  # the entropy bonus (TRL's entropy_coef, verl's entropy_coeff)
+        loss = loss - a.entropy_coef * entropy
+        words["ℓ"] += f" - {a.entropy_coef:g}·H(π_θ)"
     diag["loss/token_mean"] = loss.detach()
     diag["policy/entropy"] = entropy.detach()
     return loss, diag, words
@@ -843,7 +943,7 @@ def probe(a: Args):
         return torch.rand(G, 3, generator=gen).log()
     rows = dict(reward=torch.arange(G, dtype=torch.float), order=torch.zeros(G, dtype=torch.long),
                 mask=torch.ones(G, 3), truncated=torch.zeros(G, dtype=torch.bool),
-                is_teacher=torch.zeros(G, dtype=torch.bool), sampler_logp=made_up())
+                is_teacher=torch.zeros(G, dtype=torch.bool), sampler_logp=made_up(), per_fn=made_up())
     step = collections.defaultdict(made_up, rows)
     *_, words = step_terms(step, a)
     b = collections.defaultdict(made_up, rows, adv=torch.zeros(G, 1))  # A = 0
@@ -868,11 +968,11 @@ def prepare(model, ref_model, groups: list[dict], a: Args):
     reads, flat_ok, _ = probe(a)
     step_inputs(model, ref_model, batch, reads["step"], list(range(len(batch["order"]))), a)
     step, mine = gather_step(batch)
-    adv, mask, flat, stats, _ = step_terms(step, a)
+    adv, row_adv, mask, flat, stats, _ = step_terms(step, a)
     n_seqs, n_tokens = torch.stack([(mask.sum(-1) > 0).sum().float(), mask.sum()]).tolist()  # every rank's
-    batch["adv"] = adv[mine, None].to(device)  # (N, 1)
+    batch["adv"] = adv[mine, :batch["mask"].shape[1]].to(device)  # (N, 1), or (N, C) per token
     batch["mask"] = mask[mine, :batch["mask"].shape[1]].to(device)  # (N, C)
-    for g, group_adv in zip(groups, adv[mine].split([len(g["completions"]) for g in groups])):
+    for g, group_adv in zip(groups, row_adv[mine].split([len(g["completions"]) for g in groups])):
         g["adv"] = group_adv
     skip = flat[mine].to(device) & (a.skip_zero_variance and flat_ok)
     rows = ((batch["mask"].sum(-1) > 0) & ~skip).nonzero()[:, 0].tolist()

@@ -725,7 +725,7 @@ def test_presets_are_the_papers_and_explicit_flags_win(algo):
     (["--teacher-per-group", "2"], "--teacher-pool"),
     (["--num-generations", "1"], "--num-generations"),
     (["--top-k-groups", "9"], "--top-k-groups"),
-    (["--dual-clip", "3", "--surrogate", "cispo"], "--dual-clip bounds the clip surrogate: set --surrogate clip"),
+    (["--dual-clip", "3", "--surrogate", "cispo"], "--dual-clip caps the clip surrogate: add --surrogate clip"),
     (["--output-dir", ""], "--output-dir must name a directory"),
     (["--eval-prompts", "5000"], "--eval-prompts: the built-in task has 2900"),
     (["--rewards", ""], "no reward"),
@@ -796,7 +796,7 @@ def test_dry_run_prints_the_objective_then_the_flags(capsys):
     assert "π_old = π_θ before the first of 2 updates" in out
     grpo.main(["--algo", "drgrpo_soft", "--dry-run", "--tis", "2", "--top-k-groups", "4", "--mask-truncated"])
     out = capsys.readouterr().out
-    assert "ℓ_i,t = -min(r·A_i, clip(r, 1-0.2, 1+0.2)·A_i) · min(π_old/π_sampler, 2)," in out
+    assert "ℓ_i,t = (-min(r·A_i, clip(r, 1-0.2, 1+0.2)·A_i))·token_truncate(π_old/π_sampler, [0, 2])," in out
     assert "·  std_g / (max_g' std_g' + 1e-06)" in out and "groups trained: all, then the top-4 by std" in out
     assert "first EOS, 0 on a truncated completion" in out
 
@@ -837,7 +837,8 @@ def test_dry_run_shows_every_flag_that_changes_the_objective():
                            beta=0.1, teacher_pool="pool.jsonl", teacher_per_group=2, split_grads=True,
                            top_k_groups=2, mask_truncated=True, tis=2.0, dual_clip=3.0, num_iterations=2,
                            reward_fn="rw.py:f")
-    bases = [every_term, replace(every_term, surrogate="sapo", dual_clip=0.0), grpo.Args()]
+    bases = [every_term, grpo.Args()] + [replace(every_term, surrogate=s, dual_clip=0.0)
+                                         for s in ("sapo", "clip_cov", "kl_cov")]
     def formula(a):
         return grpo.describe(a).split("\n\n")[0]
     unseen = []
@@ -1618,7 +1619,7 @@ def test_a_diverged_model_stops_sampling_with_one_line(loaded):
 def trainer_logps(model, tok, a, prompts, comps, n):
     """The trainer's log-probs (and the sampler's, laid out alike) of generate()'s completions, through collate."""
     groups = [dict(prompt_ids=p, completions=comps[i * n:(i + 1) * n], truncated=[False] * n, is_teacher=[False] * n,
-                   rewards=torch.zeros(n), order=i, sampler_logp=[torch.zeros(len(c)) for c in
+                   rewards=torch.zeros(n), order=i, per_fn={}, sampler_logp=[torch.zeros(len(c)) for c in
                                                                              comps[i * n:(i + 1) * n]])
               for i, p in enumerate(prompts)]
     b = grpo.collate(groups, tok.pad_token_id, "cpu")
@@ -1676,7 +1677,7 @@ def test_compiled_sampler_reads_this_step_s_weights_and_compiles_once(loaded):
     with torch.compiler.set_stance("fail_on_recompile"):
         for step in range(2):
             groups = [dict(prompt_ids=p, completions=comps[i * 4:(i + 1) * 4], truncated=truncated[i * 4:(i + 1) * 4],
-                           is_teacher=[False] * 4, rewards=torch.tensor([1.0, 0, 0, 1]), order=i,
+                           is_teacher=[False] * 4, rewards=torch.tensor([1.0, 0, 0, 1]), order=i, per_fn={},
                            sampler_logp=logps[i * 4:(i + 1) * 4])
                       for i, p in enumerate(prompts)]
             m = grpo.train_step(model, None, opt, groups, a)
@@ -1736,7 +1737,7 @@ def test_the_sampler_s_logps_are_the_trainer_s_at_a_temperature_and_under_top_k_
     at_1, _ = trainer_logps(model, tok, replace(a, temperature=1.0), prompts, comps, a.num_generations)
     assert ((at_1 - drawn).abs() * mask).max() > 0.05  # what a sampler (or trainer) ignoring it would show
     groups = [dict(prompt_ids=p, completions=comps[i * 4:(i + 1) * 4], truncated=truncated[i * 4:(i + 1) * 4],
-                   is_teacher=[False] * 4, rewards=torch.tensor([1.0, 0, 0, 1]), order=i,
+                   is_teacher=[False] * 4, rewards=torch.tensor([1.0, 0, 0, 1]), order=i, per_fn={},
                    sampler_logp=logps[i * 4:(i + 1) * 4]) for i, p in enumerate(prompts)]
     m = grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), groups, a)
     assert m["sampler/logp_gap"] < 1e-4

@@ -42,7 +42,7 @@ def warmup(model_dir, data, steps, seed=0, hidden=64, layers=2):
         batch = [rng.choice(seen) for _ in range(16)]
         prompts = [tok(grpo.chat_prompt(tok, ex["prompt"], ""), add_special_tokens=False).input_ids for ex in batch]
         answers = [tok(ex["answer"], add_special_tokens=False).input_ids + [tok.eos_token_id] for ex in batch]
-        groups = [dict(prompt_ids=torch.tensor(p), completions=[torch.tensor(c)], truncated=[False], order=0,
+        groups = [dict(prompt_ids=torch.tensor(p), completions=[torch.tensor(c)], truncated=[False], order=0, per_fn={},
                        is_teacher=[False], rewards=torch.zeros(1), sampler_logp=[torch.zeros(len(c))])
                   for p, c in zip(prompts, answers)]
         b = grpo.collate(groups, tok.pad_token_id, "cpu")

@@ -78,7 +78,7 @@ def split_files():
 def supervised_batch(tok, pairs):
     """(prompt text, completion text) pairs -> grpo.collate's batch, the loss on the completion (+ EOS) only."""
     groups = [dict(prompt_ids=torch.tensor(tok(p, add_special_tokens=False).input_ids), completions=[torch.tensor(
-        tok(c, add_special_tokens=False).input_ids + [tok.eos_token_id])], truncated=[False], order=0,
+        tok(c, add_special_tokens=False).input_ids + [tok.eos_token_id])], truncated=[False], order=0, per_fn={},
         is_teacher=[False], rewards=torch.zeros(1), sampler_logp=[torch.zeros(1)]) for p, c in pairs]
     return grpo.collate(groups, tok.pad_token_id, "cpu")
 

@@ -153,7 +153,7 @@ def child_floor(model_dir, workload, steps, device, tmp):
         texts = [grpo.chat_prompt(tok, d["prompt"], SYSTEM) for d in data(workload)[step * B:(step + 1) * B]]
         prompts, comps, _, _ = grpo.generate(model, tok, texts, G, a)
         groups = [dict(prompt_ids=prompts[i], completions=comps[i * G:(i + 1) * G], truncated=[False] * G,
-                       order=i, is_teacher=[False] * G, rewards=torch.zeros(G),
+                       order=i, per_fn={}, is_teacher=[False] * G, rewards=torch.zeros(G),
                        sampler_logp=[torch.zeros(len(c)) for c in comps[i * G:(i + 1) * G]]) for i in range(B)]
         b = grpo.collate(groups, tok.pad_token_id, device)
         logp, _ = grpo.token_logps(model, b["input_ids"], b["attention_mask"], b["mask"].shape[1])
