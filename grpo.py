@@ -22,6 +22,7 @@ import argparse
 import collections
 import dataclasses
 import fcntl
+import functools
 import importlib.util
 import inspect
 import itertools
@@ -228,6 +229,9 @@ def check_args(a: Args):
         (bool(a.teacher_pool) != (a.teacher_per_group > 0), "the mixed pool needs both --teacher-pool PATH "
                                                              "and --teacher-per-group G_T > 0"),
         (a.split_grads and not a.teacher_pool, "--split-grads needs --teacher-pool (the teacher half)"),
+        (a.adv_estimator == "gdpo" and (a.teacher_pool or a.overlong_penalty), "--adv-estimator gdpo normalises "
+         "each reward function: --teacher-pool and --overlong-penalty give rewards that are not one"),
+        (a.tis and a.tis_min >= a.tis, "--tis-min must be below --tis (the floor and the cap of w)"),
         (a.dataset == "" and a.eval_prompts > HELD_OUT, f"--eval-prompts: the built-in task has {HELD_OUT}"),
         (not a.rewards.strip(", ") and not a.reward_fn, "no reward: give --rewards and/or --reward-fn"),
         (a.wandb_project and not importlib.util.find_spec("wandb"), "--wandb-project: `pip install wandb`")]
@@ -506,6 +510,9 @@ def build_rewards(a: Args) -> list[tuple[str, object, float]]:
         fns.append((name, fn, 1.0))
     if len({name for name, _, _ in fns}) < len(fns):  # each is logged as reward/<name>
         fail("--rewards and --reward-fn name a reward twice: rename the function, or list the reward once")
+    for i, (name, fn, weight) in enumerate(fns):  # a reward that takes max_length gets T (rewards.cosine)
+        if "max_length" in inspect.signature(fn).parameters:
+            fns[i] = (name, functools.partial(fn, max_length=a.max_new_tokens), weight)
     return fns
 
 def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns, a: Args):
