@@ -229,8 +229,8 @@ def check_args(a: Args):
         (bool(a.teacher_pool) != (a.teacher_per_group > 0), "the mixed pool needs both --teacher-pool PATH "
                                                              "and --teacher-per-group G_T > 0"),
         (a.split_grads and not a.teacher_pool, "--split-grads needs --teacher-pool (the teacher half)"),
-        (a.adv_estimator == "gdpo" and (a.teacher_pool or a.overlong_penalty), "--adv-estimator gdpo normalises "
-         "each reward function: --teacher-pool and --overlong-penalty give rewards that are not one"),
+        (a.adv_estimator == "gdpo" and (a.teacher_pool or a.overlong_penalty),
+         "--adv-estimator gdpo normalises each reward function: --teacher-pool and --overlong-penalty have none"),
         (a.tis and a.tis_min >= a.tis, "--tis-min must be below --tis (the floor and the cap of w)"),
         (a.dataset == "" and a.eval_prompts > HELD_OUT, f"--eval-prompts: the built-in task has {HELD_OUT}"),
         (not a.rewards.strip(", ") and not a.reward_fn, "no reward: give --rewards and/or --reward-fn"),
@@ -397,8 +397,8 @@ def load_model(a: Args, device: torch.device, resume: str | None = None):
         model = peft.get_peft_model(model, config)
         if resume:
             model.load_adapter(resume, "default", is_trainable=True)
-    elif a.beta > 0:  # full fine-tuning with KL: a frozen copy of the starting model is the reference
-        ref_model = AutoModelForCausalLM.from_pretrained(a.model, **kw).eval().requires_grad_(False)
+    elif "ref_logp" in set().union(*probe(a)[0].values()):  # full fine-tuning, a term reads the reference:
+        ref_model = AutoModelForCausalLM.from_pretrained(a.model, **kw).eval().requires_grad_(False)  # a copy
     return model.train(), tok, ref_model  # (from_pretrained gives eval mode: no checkpointing, no dropout)
 
 def use_bf16(a: Args, device: torch.device) -> bool:
@@ -962,7 +962,7 @@ def probe(a: Args):
     words.update(more)
     words["loss"] = aggregate_loss(loss, rows["mask"], a.loss_agg, a.max_new_tokens)[1]
     words["R"] = score([], [], [], [], a)[2] + words["R"]
-    words["groups"] = select_groups(torch.zeros(1, G), a)[2]
+    words["groups"] = select_groups(torch.arange(G, dtype=torch.float)[None], a)[2]
     return {"step": set(step) - set(rows), "objective": set(b) - set(rows) - {"adv"}}, flat, words
 
 def prepare(model, ref_model, groups: list[dict], a: Args):
@@ -1257,7 +1257,7 @@ def open_output(run, a: Args):  # rank 0, once every check has passed: only now 
         wandb.init(project=a.wandb_project, config=dataclasses.asdict(a))
 
 GAP_LIMIT = 0.25  # mean |sampler - trainer| log-prob gap that stops a run (bf16 rounding: a few hundredths)
-FLAT_STEPS = 5  # steps in a row whose groups all had equal rewards (run.flat: nothing trains) before a note
+FLAT_STEPS = 5  # steps in a row whose groups all had equal rewards (run.flat: no reward signal) before a note
 
 def end_step(run, a: Args, step: int, m: dict, generated: list[dict]) -> bool:
     if m.get("sampler/logp_gap", 0) > GAP_LIMIT:
@@ -1285,8 +1285,8 @@ def end_step(run, a: Args, step: int, m: dict, generated: list[dict]) -> bool:
     run.flat = run.flat + 1 if m["groups/equal_frac"] == 1 or run.flat >= FLAT_STEPS else 0
     if run.flat == FLAT_STEPS:  # said once: past FLAT_STEPS, run.flat only grows
         run.bar.write(f"grpo: note: equal rewards in every group at steps {step - FLAT_STEPS + 1}-{step}, so "
-                      "nothing trains: try a denser reward, a stronger model or easier prompts (--log-samples"
-                      " 1 shows them)", file=sys.stderr)
+                      "the rewards teach nothing: try a denser reward, a stronger model or easier prompts "
+                      "(--log-samples 1 shows them)", file=sys.stderr)
     if a.wandb_project:
         sys.modules["wandb"].log(m, step=step)
     run.bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{m['accuracy']:.2f}")

@@ -1874,9 +1874,9 @@ def test_a_run_in_which_nothing_trains_says_so_once(tiny_dir, tmp_path, capsys):
            "and n % 2)\n"
     main(["--model", tiny_dir, "--output-dir", str(tmp_path / "out"), "--max-steps", "16"] + TINY
          + ["--eval-every", "0"] + reward_file(tmp_path, body)[:2])
-    notes = [line for line in capsys.readouterr().err.splitlines() if "nothing trains" in line]
-    assert notes == ["grpo: note: equal rewards in every group at steps 6-10, so nothing trains: try a denser "
-                     "reward, a stronger model or easier prompts (--log-samples 1 shows them)"]
+    notes = [line for line in capsys.readouterr().err.splitlines() if "teach nothing" in line]
+    assert notes == ["grpo: note: equal rewards in every group at steps 6-10, so the rewards teach nothing: try a "
+                     "denser reward, a stronger model or easier prompts (--log-samples 1 shows them)"]
     equal = [r["groups/equal_frac"] for r in metrics(str(tmp_path / "out"))]
     assert equal == [1.0] * 4 + [0.0] + [1.0] * 5 + [0.0] + [1.0] * 5
 
