@@ -230,7 +230,8 @@ def check_args(a: Args):
                                                              "and --teacher-per-group G_T > 0"),
         (a.split_grads and not a.teacher_pool, "--split-grads needs --teacher-pool (the teacher half)"),
         (a.adv_estimator == "gdpo" and (a.teacher_pool or a.overlong_penalty),
-         "--adv-estimator gdpo normalises each reward function: --teacher-pool and --overlong-penalty have none"),
+         "--adv-estimator gdpo normalises each reward function apart: the pool's and the overlong penalty's "
+         "rewards have no parts"),
         (a.tis and a.tis_min >= a.tis, "--tis-min must be below --tis (the floor and the cap of w)"),
         (a.dataset == "" and a.eval_prompts > HELD_OUT, f"--eval-prompts: the built-in task has {HELD_OUT}"),
         (not a.rewards.strip(", ") and not a.reward_fn, "no reward: give --rewards and/or --reward-fn"),
