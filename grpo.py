@@ -157,10 +157,8 @@ def parse_args(argv=None) -> Args:
     if given.get("resume") and not given.get("dry_run") and os.environ.get("RANK", "0") == "0":
         lock_output(out, wait=True)  # before the run's state is read: it may be a live run's, still saving
     if given.get("resume") == "auto":  # continue the run if it saved one, else start (over one never saved)
-        given["resume"] = ""
-        if any(os.path.isdir(os.path.join(out, name)) for name in ("checkpoint", "checkpoint.old")):
-            given["resume"] = "on"
-        given["overwrite"] = given.get("overwrite", False) or not given["resume"]
+        found = any(os.path.isdir(os.path.join(out, name)) for name in ("checkpoint", "checkpoint.old"))
+        given.update(resume="on" if found else "", overwrite=given.get("overwrite", False) or not found)
     if given.get("resume"):  # the saved run's flags are the defaults
         saved = json.loads(pathlib.Path(last_checkpoint(out, resume=True), "grpo_args.json").read_text())
         defaults = {k: v for k, v in saved.items() if k in Args.__dataclass_fields__ and k != "overwrite"}
@@ -1029,6 +1027,14 @@ def lock_output(out: str, wait: bool = False):
     return f
 
 def check_output_dir(a: Args):  # before anything loads
+    if not (a.resume or a.overwrite):
+        if last_checkpoint(a.output_dir) or os.path.isdir(os.path.join(a.output_dir, "checkpoint")):
+            fail(f"--output-dir {a.output_dir!r} holds a run: --resume continues it, --overwrite starts over")
+        log = pathlib.Path(a.output_dir, "metrics.jsonl")
+        rows = log.exists() and [row for row in log.read_text().splitlines() if row.endswith("}")]
+        if rows and json.loads(rows[-1])["step"]:  # a training step's: all that is left of a run never saved
+            fail(f"--output-dir {a.output_dir!r} holds the metrics of a run that stopped before its first "
+                 f"save: --overwrite starts over (deleting them), or give another --output-dir")
     out = pathlib.Path(a.output_dir).resolve()
     made = next(up for up in (out, *out.parents) if up.exists())  # out, or where it will be made
     try:  # a directory made and removed there (os.access says yes to root under /proc)
@@ -1047,22 +1053,14 @@ def start(a: Args):
         fail(f"--prompts-per-step {a.prompts_per_step} must divide over {world} ranks (whole groups a rank)")
     if rank == 0:
         lock_output(a.output_dir)  # before anything of the run in it is read (on --resume, since parse_args)
-    ckpt = last_checkpoint(a.output_dir)
-    if (ckpt or os.path.isdir(os.path.join(a.output_dir, "checkpoint"))) and not (a.resume or a.overwrite):
-        fail(f"--output-dir {a.output_dir!r} holds a run: --resume continues it, --overwrite starts over")
-    log = pathlib.Path(a.output_dir, "metrics.jsonl")  # (a whole row of a training step)
-    if not (a.resume or a.overwrite) and log.exists() and any(
-            json.loads(row)["step"] for row in log.read_text().splitlines() if row.endswith("}")):
-        fail(f"--output-dir {a.output_dir!r} holds the metrics of a run that stopped before its first save: "
-             f"--overwrite starts over (deleting them), or give another --output-dir")
     check_output_dir(a)
+    ckpt = last_checkpoint(a.output_dir)
     state = {"step": 0, "prompts_drawn": 0}
     if a.resume:
         try:
             state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
-        except Exception as e:  # damaged at its saved size (a size check passed)
-            fail(f"--resume: {ckpt}/trainer_state.pt cannot be read ({type(e).__name__}: "
-                 f"{' '.join(str(e).split())[:80]}): restore it")
+        except Exception as e:  # damaged at its saved size (zeros after a crash, say)
+            fail(f"--resume: {ckpt}/trainer_state.pt cannot be read ({type(e).__name__}): restore it")
         if state["step"] >= a.max_steps:
             print(f"grpo: the run in {a.output_dir} is at step {state['step']}: raise --max-steps to go on")
             raise SystemExit(0)
@@ -1243,8 +1241,8 @@ def save_last_step(run, a: Args, e: BaseException):
         if isinstance(e, SystemExit) and isinstance(e.code, str):  # one line: the error, and what was saved
             e = SystemExit(f"{e.code} (step {run.saved} saved: --resume continues)")
         elif not isinstance(e, KeyboardInterrupt):
-            print(f"grpo: step {run.saved} saved in {a.output_dir}/checkpoint (--resume continues); stopped by:",
-                  file=sys.stderr)
+            where = f"{a.output_dir}/checkpoint"
+            print(f"grpo: step {run.saved} saved in {where}: --resume continues; the error:", file=sys.stderr)
     if not isinstance(e, KeyboardInterrupt):
         raise e
 

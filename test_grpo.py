@@ -2033,8 +2033,8 @@ def test_an_error_outside_an_update_saves_the_last_step_and_says_so(tiny_dir, tm
     capsys.readouterr()
     with pytest.raises(torch.OutOfMemoryError):
         main(["--model", tiny_dir, "--output-dir", out + "2", "--max-steps", "4", "--eval-every", "0"] + TINY)
-    assert capsys.readouterr().err.splitlines()[-1] == f"grpo: step 2 saved in {out}2/checkpoint (--resume " \
-                                                       f"continues); stopped by:"
+    assert capsys.readouterr().err.splitlines()[-1] == f"grpo: step 2 saved in {out}2/checkpoint: --resume " \
+                                                       f"continues; the error:"
     assert json.load(open(out + "2/checkpoint/grpo_args.json"))["step"] == 2
 
 

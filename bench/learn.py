@@ -1,6 +1,6 @@
 """Does grpo.py learn? Each preset on a tiny local model and a verifiable toy task, on a CPU.
 
-    python bench/learn.py            # all presets and the mixed pool; writes bench/out/learning.png and .md
+    python bench/learn.py [STEPS]    # all presets and the mixed pool, 800 steps each (STEPS); bench/out/learning.md
 
 The task: 'a+b=' for digits a, b (100 prompts), reward `correct` (1/0; DAPO's preset uses +1/-1).
 The model: a 2-layer Qwen2 built locally (tiny.py), byte-level tokenizer, given a short supervised
@@ -120,7 +120,10 @@ def main(steps=800, warmup_steps=200):
     md = "\n".join(table)
     with open(os.path.join(OUT, "learning.md"), "w") as f:
         f.write(md + "\n")
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # (bench/requirements.txt)
+        return print(f"no plot without matplotlib: the table is in {OUT}/learning.md")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -135,4 +138,4 @@ def main(steps=800, warmup_steps=200):
 
 
 if __name__ == "__main__":
-    main()
+    main(*map(int, sys.argv[1:2]))
