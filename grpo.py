@@ -960,7 +960,7 @@ def save(model, tok, a: Args, state: dict):
     except Exception as e:  # a full disk, say (torch.save's a RuntimeError, safetensors' a SafetensorError)
         shutil.rmtree(final + ".tmp", ignore_errors=True)
         fail(f"saving step {state['step']} failed ({' '.join(str(e).split())}); last checkpoint: "
-             f"{last_checkpoint(a.output_dir)}")
+             f"{last_checkpoint(a.output_dir) or 'none'}")
     if os.path.isdir(final):
         shutil.rmtree(final + ".old", ignore_errors=True)
         os.replace(final, final + ".old")
@@ -1134,7 +1134,8 @@ def end_step(run, a: Args, step: int, m: dict, generated: list[dict]) -> bool:
         run.log.write(json.dumps(m) + "\n")
         run.samples.writelines(json.dumps(r) + "\n" for r in sample_rows(generated[:a.log_samples], step))
     except OSError as e:  # a full disk, say
-        fail(f"writing step {step}'s metrics failed ({e}); last checkpoint: {last_checkpoint(a.output_dir)}")
+        fail(f"writing step {step}'s metrics failed ({e}); last checkpoint: "
+             f"{last_checkpoint(a.output_dir) or 'none'}")
     if step == run.start + 1:  # a broken reward or chat template shows here, not an hour later
         for r in sample_rows(generated[:1], step):
             run.bar.write(f"grpo: reward {r['reward']:.3g} {r['rewards']}: {r['completion'][:50]!r}",

@@ -11,6 +11,7 @@ trains it from there: full fine-tuning, 32 prompts x 8 completions a step, lr 2e
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -112,7 +113,7 @@ def main(steps=800, warmup_steps=200):
         rew, acc = [r["reward/mean"] for r in rows], [r["accuracy"] for r in rows]
         key = "reward/mean_student" if "reward/mean_student" in rows[0] else "reward/mean"
         rew = [r[key] for r in rows]  # the mixed run: the student's own samples, not the pool's
-        first, last = (lambda xs: sum(xs[:20]) / 20), (lambda xs: sum(xs[-20:]) / 20)
+        first, last = (lambda xs: statistics.mean(xs[:20])), (lambda xs: statistics.mean(xs[-20:]))
         table.append(f"| {name} | {first(rew):.2f} | {last(rew):.2f} | {first(acc):.2f} | {last(acc):.2f} "
                      f"| {rows[-1]['eval/accuracy']:.2f} | {len(rows)} | {wall:.0f} s |")
         curves[name] = smooth(acc)
