@@ -21,6 +21,7 @@ length (left padded), C completion length (<= T = max_new_tokens), H hidden size
 import argparse
 import collections
 import dataclasses
+import decimal
 import fcntl
 import functools
 import importlib.util
@@ -37,6 +38,7 @@ import shutil
 import signal
 import statistics
 import sys
+import tempfile
 import textwrap
 import time
 import zlib
@@ -76,7 +78,8 @@ class Args:
     algo: str = flag("grpo", "preset: sets defaults (PRESETS); explicit flags win", tuple(PRESETS))  # run
     model: str = flag("Qwen/Qwen2.5-0.5B-Instruct", "hub id or local directory")
     output_dir: str = flag("grpo_out", "checkpoint/ and metrics.jsonl go here")
-    resume: bool = flag(False, "continue the run saved in --output-dir, with its flags")
+    resume: str = flag("", "continue the run saved in --output-dir, with its flags; auto: if it saved one, "
+                       "else start it", ("on", "auto"))
     overwrite: bool = flag(False, "start over in an --output-dir that holds a run, deleting it")
     max_steps: int = flag(200, "steps: a rollout, then num_iterations updates on it", bounds="(0, inf)")
     seed: int = flag(0, "seeds the data order, sampling (+1000 * rank) and the LoRA init")
@@ -166,13 +169,20 @@ def parse_args(argv=None) -> Args:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], argument_default=argparse.SUPPRESS)
     for f in dataclasses.fields(Args):
         kind = dict(action=argparse.BooleanOptionalAction) if f.type is bool else dict(type=f.type)
+        if f.name == "resume":  # --resume, or --resume auto
+            kind = dict(nargs="?", const="on")
         parser.add_argument(dash(f.name), help=f"{f.metadata['help']} [{f.default!r}]",
                             choices=f.metadata["choices"] or None, **kind)
     given = vars(parser.parse_args(argv))
     defaults = PRESETS[given.get("algo", Args.algo)]  # a preset is defaults; an explicit flag wins
     saved = {}  # the checkpoint's grpo_args.json, on --resume
+    out = given.get("output_dir", Args.output_dir)
+    if given.get("resume") and not given.get("dry_run") and os.environ.get("RANK", "0") == "0":
+        lock_output(out, wait=True)  # before the run's state is read: it may be a live run's, still saving
+    if given.get("resume") == "auto":  # continue the run if it saved one, else start (over one never saved)
+        found = any(os.path.isdir(os.path.join(out, name)) for name in ("checkpoint", "checkpoint.old"))
+        given.update(resume="on" if found else "", overwrite=given.get("overwrite", False) or not found)
     if given.get("resume"):  # the saved run's flags are the defaults
-        out = given.get("output_dir", Args.output_dir)
         saved = json.loads(pathlib.Path(last_checkpoint(out, resume=True), "grpo_args.json").read_text())
         defaults = {k: v for k, v in saved.items() if k in Args.__dataclass_fields__ and k != "overwrite"}
         for k, v in given.items():
@@ -185,6 +195,8 @@ def parse_args(argv=None) -> Args:
     a = Args(**{**defaults, **given})
     if a.overlong_penalty and a.overlong_buffer == 0:  # derived values
         a.overlong_buffer = max(1, a.max_new_tokens // 5)
+    if a.output_dir:  # absolute: a reward that changes the working directory moves nothing
+        a.output_dir = os.path.abspath(a.output_dir)
     for name in PATHS:  # saved absolute, so that --resume works from any directory
         path, rest = split_path(getattr(a, name))
         if path and os.path.exists(path):
@@ -202,8 +214,11 @@ def parse_args(argv=None) -> Args:
     return a
 
 def split_path(value: str) -> tuple[str, str]:  # PATH.py:FUNCTION, DIR[:CONFIG][@SPLIT] -> the path, the rest
-    path = value.split(":")[0].split("@")[0]
-    return path, value[len(path):]
+    cuts = [i for i, c in enumerate(value) if c in ":@"] + [len(value)]
+    for i in reversed(cuts):  # the longest that exists: a path may hold ':' or '@' itself
+        if os.path.exists(value[:i]):
+            return value[:i], value[i:]
+    return value[:cuts[0]], value[cuts[0]:]  # (a hub id, or not there)
 
 def within(value, bounds: str) -> bool:  # bounds: an interval as written, "[0, 1)"
     low, high = (float(x) for x in bounds[1:-1].split(","))
@@ -268,8 +283,11 @@ def arithmetic_task(n: int, seed: int, held_out: bool = False) -> list[dict]:
     return out
 
 def read_records(source: str, split: str) -> list[tuple[str, dict]]:
-    """(where, record): a JSONL file's lines, else the rows of NAME[:CONFIG][@SPLIT] through `datasets`."""
-    if os.path.isfile(source) or source.endswith(".jsonl"):
+    """(where, record): a JSONL file's lines, else rows through `datasets`: a .parquet, .csv or .json file's,
+    or those of NAME[:CONFIG][@SPLIT], a hub id or a local directory."""
+    path, rest = split_path(source)
+    kind = {".parquet": "parquet", ".csv": "csv", ".json": "json"}.get(os.path.splitext(path)[1])
+    if not kind and not rest and (os.path.isfile(path) or path.endswith(".jsonl")):
         try:
             lines = pathlib.Path(source).read_bytes().splitlines()
         except OSError as e:
@@ -280,20 +298,27 @@ def read_records(source: str, split: str) -> list[tuple[str, dict]]:
                 continue
             try:
                 rows.append((f"{source}:{i}", {**json.loads(line)}))
+                json.dumps(rows[-1][1], ensure_ascii=False).encode()  # a lone surrogate fails at a tokenizer
+            except UnicodeEncodeError as e:
+                fail(f"{source}:{i}: {e.object[e.start:e.end]!a} is half a surrogate pair, not text: escape "
+                     f"both halves of the pair, or neither")
             except (ValueError, TypeError) as e:  # not JSON, or JSON but not an object
                 fail(f"{source}:{i}: not a JSON object ({e}); JSONL is one JSON object a line")
     else:
-        if "@" in source:
-            source, _, split = source.partition("@")
-        name, _, config = source.partition(":")
+        config, _, named = rest.partition("@")  # ':CONFIG', 'SPLIT'
+        split = named or split
         try:
             from datasets import get_dataset_config_names, load_dataset
-            rows = load_dataset(name, config or get_dataset_config_names(name)[0], split=split)
+            if kind:  # a local file: its rows are the one split `datasets` makes of it
+                split = "train"
+                rows = load_dataset(kind, data_files=path, split=split)
+            else:
+                rows = load_dataset(path, config[1:] or get_dataset_config_names(path)[0], split=split)
         except ImportError as e:  # `datasets`, or a package it needs for this one
             fail(f"{source} is not a JSONL file: a dataset needs `pip install datasets` ({e})")
         except Exception as e:  # not found, offline, no such config or split: what `datasets` says, one line
-            fail(f"{source}@{split}: {' '.join(str(e).split())}")
-        rows = [(f"{source}@{split}:{i}", rec) for i, rec in enumerate(rows, 1)]
+            fail(f"{path}{config}@{split}: {' '.join(str(e).split())}")
+        rows = [(f"{path}{config}@{split}:{i}", rec) for i, rec in enumerate(rows, 1)]
     if not rows:
         fail(f"{source}: no examples")
     return rows
@@ -303,7 +328,10 @@ def load_examples(source: str, split: str, graded: bool, reward_fns=()) -> list[
     out = []
     for where, rec in read_records(source, split):
         prompt = rec.get("question", rec.get("prompt"))
-        answer = reference_answer(str(rec.get("answer")))  # graded: it is read, so not empty, not '####'
+        answer = rec.get("answer")
+        if isinstance(answer, float) and math.isfinite(answer):  # as written: 0.00005, not Python's 5e-05
+            answer = format(decimal.Decimal(repr(answer)), "f")
+        answer = reference_answer(str(answer))  # graded: it is read, so not empty, not '####'
         bad = type(rec.get("answer")) not in (str, int, float) or graded and (not answer or "####" in answer)
         if not isinstance(prompt, str) or not prompt.strip() or bad:
             fail(f"{where}: each line needs a prompt (or GSM8K's question) and an answer (a string or a "
@@ -1115,16 +1143,23 @@ def last_checkpoint(output_dir: str, resume: bool = False) -> str | None:
         print(f"grpo: {bad[0]} is missing or cut: resuming from {ckpt}", file=sys.stderr)
     return ckpt
 
-def fingerprint(path: str, span: int = 1 << 26):
-    """What --resume compares: a file's size and CRC-32 of its first and last `span` bytes (a data file whole,
-    to 128 MiB), a model dir's config.json and weights by their 64 KiB ends (other weights differ there)."""
+def fingerprint(path: str, spread: bool = False, span: int = 1 << 26):
+    """What --resume compares: a file's size and CRC-32 of its first and last `span` bytes (whole to 128 MiB);
+    of a model dir, config.json and each weight file, a larger one by 1,024 reads of 4 KiB spread evenly over
+    it (a fine-tune changes whole tensors: any of more than 1/1,024 of its file is read in part)."""
     if os.path.isdir(path):
-        return [fingerprint(os.path.join(path, name), 1 << 16) for name in sorted(os.listdir(path))
+        return [fingerprint(os.path.join(path, name), True, span) for name in sorted(os.listdir(path))
                 if name == "config.json" or name.endswith((".safetensors", ".bin"))]
     if not os.path.isfile(path):
         return path  # a hub id, or ''
     size = os.path.getsize(path)
     with open(path, "rb") as f:
+        if spread and size > 2 * span:
+            crc = zlib.crc32(b"%d" % size)
+            for i in range(1024):
+                f.seek(i * size // 1024)
+                crc = zlib.crc32(f.read(4096), crc)
+            return crc
         head = f.read(span)
         f.seek(max(span, size - span))
         return zlib.crc32(b"%d %b %b" % (size, head, f.read()))
@@ -1144,9 +1179,10 @@ def save(model, tok, a: Args, state: dict):
         files = {name: fingerprint(split_path(getattr(a, name))[0]) for name in PATHS}
         with open(os.path.join(final + ".tmp", "grpo_args.json"), "w") as f:
             json.dump({**vars(a), "step": state["step"], "sizes": sizes, "files": files}, f, indent=1)
-    except (OSError, RuntimeError) as e:  # a full disk, say (torch.save's is a RuntimeError)
+    except Exception as e:  # a full disk, say (torch.save's a RuntimeError, safetensors' a SafetensorError)
         shutil.rmtree(final + ".tmp", ignore_errors=True)
-        fail(f"saving step {state['step']} failed ({e}); last checkpoint: {last_checkpoint(a.output_dir)}")
+        fail(f"saving step {state['step']} failed ({' '.join(str(e).split())}); last checkpoint: "
+             f"{last_checkpoint(a.output_dir) or 'none'}")
     if os.path.isdir(final):
         shutil.rmtree(final + ".old", ignore_errors=True)
         os.replace(final, final + ".old")
@@ -1171,39 +1207,82 @@ def sample_rows(groups: list[dict], step: int) -> list[dict]:
              "correct": is_correct(text, g["answer"])}
             for g in groups for i, (text, teacher) in enumerate(zip(g["texts"], g["is_teacher"]))]
 
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGQUIT)  # USR1: time nearly up
+
 def on_signal(run):
-    """Ctrl-C, SIGTERM or SIGHUP: rank 0 outside an update stops at once (KeyboardInterrupt); else the step
-    ends, is saved and the run stops; later ones are only noted: nothing breaks a save. Other ranks follow."""
+    """A signal of STOPS: rank 0 outside an update stops at once (KeyboardInterrupt); else the step ends, is
+    saved and the run stops; later ones are only noted: nothing breaks a save. Other ranks follow."""
     def handler(sig, frame):
         if run.stop:
             return
         run.stop = sig
         if run.rank == 0 and not run.busy:
             raise KeyboardInterrupt  # (not an Exception: a reward's `except Exception` cannot swallow it)
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for sig in STOPS:
         if signal.getsignal(sig) is not signal.SIG_IGN:  # under nohup, or a background job: stays ignored
             signal.signal(sig, handler)
 
+LOCKS = {}  # output dir's .lock -> the file, locked from before the run in the dir is read till it ends
+
+def lock_output(out: str, wait: bool = False):
+    """One run per output dir: a lock on its .lock (None while the dir is not there). wait (--resume): for a
+    run still in it, as a requeued job meets its old one saving; else refused."""
+    path = os.path.join(os.path.abspath(out), ".lock")
+    if path in LOCKS:
+        return LOCKS[path]
+    try:
+        f = open(path, "a")
+    except OSError:  # no dir yet, or not one we can write (check_output_dir says so)
+        return None
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        if not wait:
+            fail(f"--output-dir {out!r} is in use by another run: wait for it, or stop it")
+        print(f"grpo: --output-dir {out!r} is in use by another run: waiting for it to end", file=sys.stderr)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX)
+        except KeyboardInterrupt:
+            print("grpo: stopped while waiting: nothing read, nothing written", file=sys.stderr)
+            raise SystemExit(128 + signal.SIGINT) from None
+    LOCKS[path] = f
+    return f
+
 def check_output_dir(a: Args):  # before anything loads
+    if not (a.resume or a.overwrite):
+        if last_checkpoint(a.output_dir) or os.path.isdir(os.path.join(a.output_dir, "checkpoint")):
+            fail(f"--output-dir {a.output_dir!r} holds a run: --resume continues it, --overwrite starts over")
+        log = pathlib.Path(a.output_dir, "metrics.jsonl")
+        rows = log.exists() and [row for row in log.read_text().splitlines() if row.endswith("}")]
+        if rows and json.loads(rows[-1])["step"]:  # a training step's: all that is left of a run never saved
+            fail(f"--output-dir {a.output_dir!r} holds the metrics of a run that stopped before its first "
+                 f"save: --overwrite starts over (deleting them), or give another --output-dir")
     out = pathlib.Path(a.output_dir).resolve()
     made = next(up for up in (out, *out.parents) if up.exists())  # out, or where it will be made
-    if not made.is_dir() or not os.access(made, os.W_OK | os.X_OK):
+    try:  # a directory made and removed there (os.access says yes to root under /proc)
+        os.rmdir(tempfile.mkdtemp(dir=made))
+    except OSError:
         fail(f"--output-dir {a.output_dir!r} cannot be made: {str(made)!r} is not a directory we can write")
     for up in (out, *out.parents):  # (a run's saves replace its checkpoint dirs, beside its .lock)
         if up.name in ("checkpoint", "checkpoint.old", "checkpoint.tmp") and (up.parent / ".lock").exists():
             fail(f"--output-dir {a.output_dir!r} is inside a checkpoint of the run in {str(up.parent)!r}")
 
 def start(a: Args):
+    if a.seed >= 2 ** 63:  # torch's seeds are 64-bit, and rank r's is seed + 1000 r
+        fail(f"--seed must be below 2^63, not {a.seed}")
     rank, world, device = setup_distributed()
     if a.prompts_per_step % world:
         fail(f"--prompts-per-step {a.prompts_per_step} must divide over {world} ranks (whole groups a rank)")
-    ckpt = last_checkpoint(a.output_dir)
-    if (ckpt or os.path.isdir(os.path.join(a.output_dir, "checkpoint"))) and not (a.resume or a.overwrite):
-        fail(f"--output-dir {a.output_dir!r} holds a run: --resume continues it, --overwrite starts over")
+    if rank == 0:
+        lock_output(a.output_dir)  # before anything of the run in it is read (on --resume, since parse_args)
     check_output_dir(a)
+    ckpt = last_checkpoint(a.output_dir)
     state = {"step": 0, "prompts_drawn": 0}
     if a.resume:
-        state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
+        try:
+            state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
+        except Exception as e:  # damaged at its saved size (zeros after a crash, say)
+            fail(f"--resume: {ckpt}/trainer_state.pt cannot be read ({type(e).__name__}): restore it")
         if state["step"] >= a.max_steps:
             print(f"grpo: the run in {a.output_dir} is at step {state['step']}: raise --max-steps to go on")
             raise SystemExit(0)
@@ -1243,11 +1322,7 @@ def start(a: Args):
 
 def open_output(run, a: Args):  # rank 0, once every check has passed: only now is the output dir written
     os.makedirs(a.output_dir, exist_ok=True)
-    run.lock = open(os.path.join(a.output_dir, ".lock"), "w")  # one run per output dir, till it ends
-    try:
-        fcntl.flock(run.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        fail(f"--output-dir {a.output_dir!r} is in use by another run: wait for it, or stop it")
+    run.lock = lock_output(a.output_dir)  # one run per output dir, till it ends
     for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old"):
         if a.overwrite:
             shutil.rmtree(os.path.join(a.output_dir, name), ignore_errors=True)
@@ -1277,8 +1352,12 @@ def end_step(run, a: Args, step: int, m: dict, generated: list[dict]) -> bool:
     if run.rank != 0:
         return stopping
     m = {"step": step, **m, "tokens_per_second": m["completion/tokens"] / (time.time() - run.t0)}
-    run.log.write(json.dumps(m) + "\n")
-    run.samples.writelines(json.dumps(r) + "\n" for r in sample_rows(generated[:a.log_samples], step))
+    try:
+        run.log.write(json.dumps(m) + "\n")
+        run.samples.writelines(json.dumps(r) + "\n" for r in sample_rows(generated[:a.log_samples], step))
+    except OSError as e:  # a full disk, say
+        fail(f"writing step {step}'s metrics failed ({e}); last checkpoint: "
+             f"{last_checkpoint(a.output_dir) or 'none'}")
     if step == run.start + 1:  # a broken reward or chat template shows here, not an hour later
         for r in sample_rows(generated[:1], step):
             run.bar.write(f"grpo: reward {r['reward']:.3g} {r['rewards']}: {r['completion'][:50]!r}",
@@ -1349,10 +1428,24 @@ def main(argv=None):
                 m.update(evaluate(run.model, run.tok, run.evals, a, run.rank, run.world, run.sampler))
             if end_step(run, a, step, m, generated):
                 break
-    except KeyboardInterrupt:  # a signal outside an update: the weights are the last completed step's
-        if run.done["step"] > run.saved:
-            save(run.model, run.tok, a, {**run.done, "optimizer": run.opt.state_dict()})
+    except BaseException as e:  # a signal outside an update (KeyboardInterrupt), or an error
+        save_last_step(run, a, e)
     finish(run, a)
+
+def save_last_step(run, a: Args, e: BaseException):
+    """Outside an update the weights are the last completed step's: a signal there, or an error (a reward, a
+    record, the sampler), saves that step, and an error then stops the run, saying so. An error inside an
+    update, or in its step's evaluation, log or save, leaves the last checkpoint; so do diverged logits."""
+    if run.rank == 0 and not run.busy and run.done["step"] > run.saved and "logits are not" not in str(e):
+        save(run.model, run.tok, a, {**run.done, "optimizer": run.opt.state_dict()})
+        run.saved = run.done["step"]
+        if isinstance(e, SystemExit) and isinstance(e.code, str):  # one line: the error, and what was saved
+            e = SystemExit(f"{e.code} (step {run.saved} saved: --resume continues)")
+        elif not isinstance(e, KeyboardInterrupt):
+            where = f"{a.output_dir}/checkpoint"
+            print(f"grpo: step {run.saved} saved in {where}: --resume continues; the error:", file=sys.stderr)
+    if not isinstance(e, KeyboardInterrupt):
+        raise e
 
 def finish(run, a: Args):
     if run.busy and dist.is_initialized():  # (busy: every rank is at the end of a step, none in a collective)
@@ -1367,7 +1460,7 @@ def finish(run, a: Args):
     elif run.rank == 0:
         print("grpo: stopped before step 1 ended: nothing saved")
     if run.rank == 0:  # (closed for a caller that runs main() again in this process)
-        for f in (run.lock, run.log, run.samples):
+        for f in (LOCKS.pop(run.lock.name), run.log, run.samples):
             f.close()
     if run.stop and not finished:
         raise SystemExit(128 + run.stop)
@@ -1376,5 +1469,5 @@ if __name__ == "__main__":
     try:
         main()
     finally:  # a late signal must not kill the exit: Python gives a handled one its default action as it ends
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        for sig in STOPS:
             signal.signal(sig, signal.SIG_IGN)

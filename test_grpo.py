@@ -61,11 +61,14 @@ def wide_dir(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def signal_handlers():
-    """grpo.main() installs its own Ctrl-C / SIGTERM / SIGHUP handlers (and tests an alarm): none is left behind."""
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGALRM)}
+    """grpo.main() installs its own handlers of grpo.STOPS (and tests an alarm): none is left behind; nor is the
+    lock on an output dir of a run that failed in this process (a process that ends lets it go)."""
+    saved = {s: signal.getsignal(s) for s in (*grpo.STOPS, signal.SIGALRM)}
     yield
     for s, handler in saved.items():
         signal.signal(s, handler)
+    while grpo.LOCKS:
+        grpo.LOCKS.popitem()[1].close()
 
 
 def main(argv, cwd=None):
@@ -868,6 +871,37 @@ def test_paths_are_saved_absolute(tmp_path, tiny_dir):
     assert grpo.parse_args(["--model", "Qwen/Qwen2.5-0.5B-Instruct"]).model == "Qwen/Qwen2.5-0.5B-Instruct"
 
 
+def test_a_path_holding_an_at_or_a_colon_is_made_absolute_and_checked_on_resume(loaded, tiny_dir, tmp_path, capsys):
+    """A path is the longest part of PATH[:...][@...] that exists. data@v2.jsonl was once read as the path 'data':
+    not made absolute, and a changed file went unnoted on --resume. --output-dir is absolute too: a reward that
+    changes the working directory moves nothing."""
+    (tmp_path / "r:1").mkdir()
+    (tmp_path / "r:1" / "rw.py").write_text("def f(c, a):\n    return 1.0\n")
+    data = write(tmp_path / "data@v2.jsonl", ['{"prompt": "a", "answer": "1"}'])
+    here = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        a = grpo.parse_args(["--dataset", "data@v2.jsonl", "--reward-fn", "r:1/rw.py:f", "--output-dir", "out"])
+    finally:
+        os.chdir(here)
+    assert (a.dataset, a.reward_fn, a.output_dir) == (data, f"{tmp_path}/r:1/rw.py:f", f"{tmp_path}/out")
+    _, model, tok = loaded
+    grpo.save(model, tok, replace(loaded[0], dataset=data, output_dir=a.output_dir),
+              {"step": 1, "prompts_drawn": 0, "rng": [], "optimizer": {}})
+    write(tmp_path / "data@v2.jsonl", ['{"prompt": "a", "answer": "2"}'])
+    capsys.readouterr()
+    grpo.parse_args(["--output-dir", a.output_dir, "--resume", "--max-steps", "9"])
+    assert capsys.readouterr().err == "grpo: note: the --dataset file has changed since the run was saved\n"
+    (tmp_path / "away").mkdir()
+    (tmp_path / "r:1" / "rw.py").write_text(f"import os\ndef f(c, a, **kw):\n    os.chdir({str(tmp_path / 'away')!r})"
+                                            "\n    return 1.0\n")
+    main(["--model", tiny_dir, "--output-dir", "run", "--reward-fn", "r:1/rw.py:f", "--max-steps", "1",
+          "--eval-every", "0"] + TINY, cwd=tmp_path)
+    assert capsys.readouterr().out.splitlines()[-1] == f"grpo: step 1 saved in {tmp_path}/run/checkpoint; " \
+                                                       f"metrics in {tmp_path}/run/metrics.jsonl"
+    assert (tmp_path / "run" / "checkpoint").is_dir() and not (tmp_path / "away" / "run").exists()
+
+
 @pytest.mark.parametrize("lines, says", [
     (['{"prompt": "a", "answer": "1"}', '{"prompt": "b", "answer": '], "bad.jsonl:2: not a JSON object .Expecting value"),
     (['{"prompt": "a", "answer": "1"}', '{"prompt": "b"}'], "bad.jsonl:2: each line needs a prompt .* and an answer"),
@@ -882,6 +916,8 @@ def test_paths_are_saved_absolute(tmp_path, tiny_dir):
     (['{"prompt": "a", "answer": {"n": 1}}'], "bad.jsonl:1: each line needs .* an answer .a string or a number"),
     (['{"prompt": "a", "answer": true}'], "bad.jsonl:1: each line needs .* an answer .a string or a number"),
     (['{"question": "a", "answer": "2+2=4\\n####"}'], "bad.jsonl:1: each line needs .* GSM8K's: '... #### N'"),
+    (['{"prompt": "a", "answer": "1"}', '{"prompt": "x\\ud800", "answer": "1"}'], "bad.jsonl:2: '\\\\ud800' is half a "
+                                                                            "surrogate pair, not text"),
     (['{"prompt": "a", "answer": "1"}', '{"prompt": "caf\\u00e9", "answer": "1"}'], None),
 ])
 def test_bad_data_names_file_and_line(tmp_path, lines, says):
@@ -898,6 +934,16 @@ def test_bad_data_names_file_and_line(tmp_path, lines, says):
 def test_a_missing_file_is_one_line(tmp_path):
     with pytest.raises(SystemExit, match="nope.jsonl: No such file or directory"):
         grpo.load_examples(str(tmp_path / "nope.jsonl"), "train", True)
+
+
+def test_an_answer_given_as_a_json_number_is_graded_as_written(tmp_path):
+    """Python prints 0.00005 and 1e16 as '5e-05' and '1e+16', which no completion's number equals."""
+    path = write(tmp_path / "n.jsonl", ['{"prompt": "a", "answer": 0.00005}', '{"prompt": "b", "answer": 1e16}',
+                                        '{"prompt": "c", "answer": 2.50}', '{"prompt": "d", "answer": 7}'])
+    examples = grpo.load_examples(path, "train", True)
+    assert [ex["answer"] for ex in examples] == ["0.00005", "10000000000000000", "2.5", "7"]
+    assert R.is_correct("The answer is 0.00005.", examples[0]["answer"])
+    assert R.is_correct("\\boxed{10,000,000,000,000,000}", examples[1]["answer"])
 
 
 def test_gsm8k_format_jsonl(tmp_path):
@@ -935,6 +981,23 @@ def test_a_dataset_that_is_not_a_jsonl_file_loads_through_datasets(tmp_path, mon
     with pytest.raises(SystemExit, match=f"{tmp_path}/empty@train: .*"):
         (tmp_path / "empty").mkdir()
         grpo.load_data(grpo.parse_args(["--dataset", str(tmp_path / "empty")]))
+
+
+def test_a_local_parquet_csv_or_json_file_loads_through_datasets(tmp_path, monkeypatch):
+    """Not JSONL, which a local file was taken to be: the records of the same examples."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    want = grpo.load_examples(write(tmp_path / "g.jsonl", [json.dumps(r) for r in GSM8K]), "train", True)
+    rows = datasets.Dataset.from_list(GSM8K)
+    for name, to in (("g.parquet", rows.to_parquet), ("g.csv", rows.to_csv), ("g.json", rows.to_json)):
+        to(str(tmp_path / name))
+        assert grpo.load_data(grpo.parse_args(["--dataset", str(tmp_path / name)]))[0] == want, name
+        _, evals = grpo.load_data(grpo.parse_args(["--dataset", str(tmp_path / name), "--eval-dataset",
+                                                   str(tmp_path / name)]))
+        assert evals == want  # the file's rows, whatever the split's name
+    (tmp_path / "bad.json").write_text('{"question": "2+2?", "answer": \n')
+    with pytest.raises(SystemExit, match=f"^grpo: error: {tmp_path}/bad.json@train: "):
+        grpo.load_data(grpo.parse_args(["--dataset", str(tmp_path / "bad.json")]))
 
 
 def test_a_dataset_without_datasets_installed_is_one_line(monkeypatch):
@@ -1589,18 +1652,48 @@ def test_a_save_killed_at_any_point_leaves_a_whole_checkpoint(loaded, tmp_path, 
 
 
 def test_a_failed_save_removes_its_partial_copy_and_names_the_last_checkpoint(loaded, tmp_path, monkeypatch):
+    """A full disk as torch.save meets it (a RuntimeError) and as the adapter's write does (safetensors' own
+    error, once a 24-line traceback): one line, the partial copy removed, the last checkpoint named and kept."""
+    from safetensors import SafetensorError
     a, model, tok = loaded
     a = replace(a, output_dir=str(tmp_path))
     grpo.save(model, tok, a, {"step": 1, "prompts_drawn": 0, "rng": [], "optimizer": {}})
 
     def full(*args, **kw):  # what torch.save raises on a full disk
         raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
-    monkeypatch.setattr(grpo.torch, "save", full)
-    with pytest.raises(SystemExit, match=f"saving step 2 failed .*unexpected pos.*; last checkpoint: "
-                                         f"{tmp_path}/checkpoint$"):
-        grpo.save(model, tok, a, {"step": 2, "prompts_drawn": 0, "rng": [], "optimizer": {}})
-    assert not (tmp_path / "checkpoint.tmp").exists()
-    assert json.load(open(tmp_path / "checkpoint" / "grpo_args.json"))["step"] == 1
+    def adapter_full(path, **kw):  # what safetensors raises there, the file begun
+        os.makedirs(path, exist_ok=True)
+        (pathlib.Path(path) / "adapter_model.safetensors").write_bytes(bytes(64))
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    for target, name, fn, says in ((grpo.torch, "save", full, "unexpected pos"),
+                                   (model, "save_pretrained", adapter_full, "No space left on device")):
+        with monkeypatch.context() as m:
+            m.setattr(target, name, fn)
+            with pytest.raises(SystemExit, match=f"^grpo: error: saving step 2 failed .*{says}.*; last checkpoint: "
+                                                 f"{tmp_path}/checkpoint$"):
+                grpo.save(model, tok, a, {"step": 2, "prompts_drawn": 0, "rng": [], "optimizer": {}})
+        assert not (tmp_path / "checkpoint.tmp").exists()
+        assert json.load(open(tmp_path / "checkpoint" / "grpo_args.json"))["step"] == 1
+
+
+def test_a_full_disk_while_metrics_are_written_is_one_line(tiny_dir, tmp_path, monkeypatch):
+    out = str(tmp_path / "out")
+    open_log = grpo.open_log
+
+    class Full:  # metrics.jsonl on a disk that fills up at step 2
+        def __init__(self, f):
+            self.f = f
+        def write(self, line):
+            if line.startswith('{"step": 2,'):
+                raise OSError(28, "No space left on device")
+            return self.f.write(line)
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+    monkeypatch.setattr(grpo, "open_log", lambda a, name, step: Full(open_log(a, name, step)))
+    with pytest.raises(SystemExit, match=rf"^grpo: error: writing step 2's metrics failed \(\[Errno 28\] No space "
+                                         rf"left on device\); last checkpoint: {out}/checkpoint$"):
+        main(["--model", tiny_dir, "--output-dir", out, "--max-steps", "3", "--save-every", "1"] + TINY)
+    assert json.load(open(out + "/checkpoint/grpo_args.json"))["step"] == 1
 
 
 def test_a_diverged_model_stops_sampling_with_one_line(loaded):
@@ -1948,6 +2041,35 @@ def test_a_run_of_non_finite_steps_stops_and_keeps_the_last_finite_weights(tiny_
     assert all(torch.equal(a[k], b[k]) for k in a)  # steps 3-5 were never applied; step 4 was saved as it was
 
 
+def test_an_error_outside_an_update_saves_the_last_step_and_says_so(tiny_dir, tmp_path, monkeypatch, capsys):
+    """A reward that raises once, at step 3 (save every 50): the weights are step 2's, so step 2 is saved and the
+    one line of the error says so; --resume continues from there. The same for an error that is a traceback (the
+    sampler out of memory, say)."""
+    (tmp_path / "rw.py").write_text("calls = []\ndef r(c, a, **kw):\n    calls.append(1)\n"
+                                    "    if len(calls) == 2 + 2 * 8 + 1:  # the start-up check, steps 1 and 2\n"
+                                    "        raise ValueError('a bug')\n    return len(c) % 3\n")
+    out = str(tmp_path / "out")
+    argv = ["--model", tiny_dir, "--output-dir", out, "--max-steps", "4", "--eval-every", "0"] + TINY
+    with pytest.raises(SystemExit, match=r"^grpo: error: reward 'r' raised ValueError: a bug \(step 2 saved: "
+                                         r"--resume continues\)$"):
+        main(argv + ["--reward-fn", f"{tmp_path}/rw.py:r"])
+    assert json.load(open(out + "/checkpoint/grpo_args.json"))["step"] == 2
+    main(["--output-dir", out, "--resume", "--max-steps", "3"])
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3]
+    rollout = grpo.rollout
+    def out_of_memory_at_step_3(*args, **kw):
+        if len(metrics(out + "2")) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return rollout(*args, **kw)
+    monkeypatch.setattr(grpo, "rollout", out_of_memory_at_step_3)
+    capsys.readouterr()
+    with pytest.raises(torch.OutOfMemoryError):
+        main(["--model", tiny_dir, "--output-dir", out + "2", "--max-steps", "4", "--eval-every", "0"] + TINY)
+    assert capsys.readouterr().err.splitlines()[-1] == f"grpo: step 2 saved in {out}2/checkpoint: --resume " \
+                                                       f"continues; the error:"
+    assert json.load(open(out + "2/checkpoint/grpo_args.json"))["step"] == 2
+
+
 def test_a_diverging_learning_rate_ends_in_one_line(tiny_dir, tmp_path):
     with pytest.raises(SystemExit, match="^grpo: error: the model's logits are not finite: training diverged; "
                                          "lower --learning-rate$"):
@@ -1963,6 +2085,7 @@ def test_a_diverging_learning_rate_ends_in_one_line(tiny_dir, tmp_path):
     ("wandb missing", "--wandb-project: `pip install wandb`"),
     ("model missing", "--model '.*no-such-dir'"),
     ("model without weights", "--model '.*no-weights': .*no file named model.safetensors"),
+    ("seed past 64 bits", r"^grpo: error: --seed must be below 2\^63, not 18446744073709551615$"),
 ])
 def test_every_input_is_checked_before_anything_is_written(tiny_dir, tmp_path, case, says, monkeypatch):
     out = tmp_path / "out"
@@ -1973,7 +2096,8 @@ def test_every_input_is_checked_before_anything_is_written(tiny_dir, tmp_path, c
              "no such function": ["--reward-fn", f"{tmp_path}/rw.py:nope"],
              "rewards weight nan": ["--rewards", "correct:nan"], "wandb missing": ["--wandb-project", "x"],
              "model missing": ["--model", str(tmp_path / "no-such-dir")],
-             "model without weights": ["--model", str(tmp_path / "no-weights")]}[case]
+             "model without weights": ["--model", str(tmp_path / "no-weights")],
+             "seed past 64 bits": ["--seed", str(2 ** 64 - 1)]}[case]
     shutil.copytree(tiny_dir, tmp_path / "no-weights", ignore=shutil.ignore_patterns("*.safetensors"))
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
     with pytest.raises(SystemExit, match=says):
@@ -2050,6 +2174,25 @@ def test_a_run_that_stopped_before_its_first_save_does_not_block_its_folder(tiny
     assert (out / "samples.jsonl").read_text() == ""  # nothing of the previous run is left
 
 
+def test_metrics_of_a_run_never_saved_are_kept_unless_asked_and_resume_auto_starts_or_continues(tiny_dir, tmp_path):
+    """A run killed before its first save leaves metrics and no checkpoint: a new run there is refused in one line
+    (those rows are all that is left of it); --overwrite starts over. `--resume auto`, one command for a first
+    launch and for its requeues, starts where nothing was saved (over such rows) and continues what was."""
+    out = tmp_path / "out"
+    out.mkdir()
+    killed = '{"step": 0, "eval/accuracy": 0.0}\n{"step": 1, "reward/mean": 0.5}\n{"step": 2, "rew'
+    (out / "metrics.jsonl").write_text(killed)
+    argv = ["--model", tiny_dir, "--output-dir", str(out), "--eval-every", "0"] + TINY
+    with pytest.raises(SystemExit, match=f"^grpo: error: --output-dir '{out}' holds the metrics of a run that stopped "
+                                         f"before its first save: --overwrite starts over"):
+        main(argv + ["--max-steps", "1"])
+    assert (out / "metrics.jsonl").read_text() == killed
+    main(argv + ["--max-steps", "1", "--resume", "auto"])
+    first = (out / "metrics.jsonl").read_text()
+    main(argv + ["--max-steps", "2", "--resume", "auto"])
+    assert [r["step"] for r in metrics(str(out))] == [1, 2] and (out / "metrics.jsonl").read_text().startswith(first)
+
+
 def test_a_run_started_with_overwrite_resumes_and_a_flag_newer_than_its_checkpoint_is_its_default(tiny_dir,
                                                                                                      tmp_path):
     """--overwrite is saved with the other flags, yet --resume continues that run (it once answered "give one").
@@ -2097,6 +2240,12 @@ def test_a_damaged_checkpoint_is_named_in_one_line_and_a_whole_old_one_is_used(t
         with pytest.raises(SystemExit, match="holds a run: --resume continues it, --overwrite starts over"):
             main(["--model", tiny_dir, "--output-dir", out] + TINY)  # nor is it overwritten unasked
         shutil.copy(tmp_path / "whole" / name, ckpt)
+    state = pathlib.Path(ckpt, "trainer_state.pt")
+    state.write_bytes(bytes(state.stat().st_size))  # whole by its size, zeros (a crash before the disk wrote it)
+    with pytest.raises(SystemExit, match=f"^grpo: error: --resume: {ckpt}/trainer_state.pt cannot be read "
+                                         f"\\(.*\\): restore it$"):
+        main(["--output-dir", out, "--resume", "--max-steps", "2"])
+    shutil.copy(tmp_path / "whole" / "trainer_state.pt", ckpt)
     shutil.copytree(ckpt, out + "/checkpoint.old")
     os.remove(ckpt + "/adapter_model.safetensors")
     capsys.readouterr()
@@ -2131,6 +2280,29 @@ def test_resume_refuses_another_base_model_and_names_a_changed_file(tiny_dir, tm
     assert [r["step"] for r in metrics(out)] == [1, 2]
 
 
+def test_resume_refuses_another_fine_tune_of_the_same_shapes(tmp_path):
+    """Every layer's q_proj changed, the rest as it was: not at a weight file's ends, which were all that was read.
+    A weight file of up to 128 MiB is read whole, a larger one in 1,024 reads spread over it (here, a smaller span
+    stands for 64 MiB)."""
+    from transformers import AutoModelForCausalLM
+    base = tiny.make_tiny(str(tmp_path / "base"), layers=4, hidden=256)
+    model = AutoModelForCausalLM.from_pretrained(base)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.add_(0.01)
+    model.save_pretrained(tmp_path / "tuned")
+    tuned, copy_ = str(tmp_path / "tuned"), shutil.copytree(base, tmp_path / "copy")
+    out = tmp_path / "out" / "checkpoint"
+    out.mkdir(parents=True)  # a checkpoint as save() leaves it, of a run that started from base
+    (out / "grpo_args.json").write_text(json.dumps({**vars(grpo.Args(model=base)), "step": 1, "sizes": {},
+                                                   "files": {"model": grpo.fingerprint(base)}}))
+    with pytest.raises(SystemExit, match=f"^grpo: error: --resume: --model '{tuned}' is not the model the run"):
+        grpo.parse_args(["--output-dir", str(out.parent), "--resume", "--model", tuned])
+    assert grpo.parse_args(["--output-dir", str(out.parent), "--resume", "--model", str(copy_)]).model == str(copy_)
+    span = 1 << 16
+    assert grpo.fingerprint(tuned, span=span) != grpo.fingerprint(base, span=span) == grpo.fingerprint(copy_, span=span)
+
+
 def test_resume_takes_the_tokenizer_saved_with_the_run(tiny_dir, tmp_path):
     """The checkpoint's tokenizer, not --model's: a chat template edited in the model's directory since the run
     started would change every prompt of a run that resumes bit for bit (the weights' check does not read it)."""
@@ -2159,11 +2331,19 @@ def held_judge(tmp_path, out, after=0):
     return ["--reward-fn", f"{tmp_path}/judge.py:r"]
 
 
-def background(tmp_path, argv):
+def default_signals():
+    """In the child: the stop signals as a terminal's foreground job has them. A script's background job (`cmd &`
+    in a non-interactive shell), and so the suite run as one, inherits SIGINT and SIGQUIT ignored, which grpo.py
+    (as every program) keeps ignored: a test of Ctrl-C would then wait out its deadline for nothing."""
+    for sig in grpo.STOPS:
+        signal.signal(sig, signal.SIG_DFL)
+
+
+def background(tmp_path, argv, name=""):
     """A process whose stdout and stderr go to files (a pipe that nobody reads can fill and stop it)."""
-    out, err = (open(tmp_path / name, "w") for name in ("stdout", "stderr"))
-    p = subprocess.Popen(argv, cwd=HERE, stdout=out, stderr=err, text=True)
-    p.out, p.err = (tmp_path / "stdout").read_text, (tmp_path / "stderr").read_text
+    out, err = (open(tmp_path / (name + f), "w") for f in ("stdout", "stderr"))
+    p = subprocess.Popen(argv, cwd=HERE, stdout=out, stderr=err, text=True, preexec_fn=default_signals)
+    p.out, p.err = (tmp_path / (name + "stdout")).read_text, (tmp_path / (name + "stderr")).read_text
     return p
 
 
@@ -2198,27 +2378,39 @@ def logged(out):
 def test_a_signal_saves_the_last_step_at_once_and_one_run_holds_the_dir(tiny_dir, tmp_path):
     """SIGTERM (what a scheduler or `kill` sends; Ctrl-C's SIGINT in the next test) that lands in a rollout, here
     in a judge held until the run stops, does not wait for the step: the last completed step is saved at once and
-    the run exits 128 + signal, what a scheduler reads as "killed". Meanwhile a second run in the output dir is
-    refused."""
+    the run exits 128 + signal, what a scheduler reads as "killed". Meanwhile a new run in the output dir is
+    refused, and a requeued one (`--resume auto`, the same command as the first launch) waits for the lock before
+    it reads anything, then continues from that last save, not from the checkpoint it found when it started;
+    SIGUSR1 (`sbatch --signal=USR1@T`, the time limit near) stops it as SIGTERM does."""
     out = str(tmp_path / "out")
-    p = background(tmp_path, [sys.executable, os.path.join(HERE, "grpo.py"), "--model", tiny_dir, "--output-dir", out,
-                              "--max-steps", "10000", "--save-every", "1"] + TINY + held_judge(tmp_path, out))
+    grpo_py = [sys.executable, os.path.join(HERE, "grpo.py")]
+    p = background(tmp_path, grpo_py + ["--model", tiny_dir, "--output-dir", out, "--max-steps", "10000",
+                                        "--save-every", "1", "--resume", "auto"] + TINY + held_judge(tmp_path, out))
+    q = None
     try:
         wait_for("checkpoint", lambda: os.path.exists(out + "/checkpoint"), p)
         with pytest.raises(SystemExit, match=f"--output-dir '{out}' is in use by another run"):
-            main(["--output-dir", out, "--resume", "--max-steps", "20000"])
+            main(["--model", tiny_dir, "--output-dir", out, "--overwrite"] + TINY)
+        q = background(tmp_path, grpo_py + ["--output-dir", out, "--resume", "auto", "--max-steps", "20000"], "q")
+        wait_for("a wait", lambda: f"'{out}' is in use by another run: waiting for it to end" in q.err(), q)
         (tmp_path / "hold").touch()
         wait_for("held judge", (tmp_path / "held0").exists, p)
         rows = len(logged(out))  # steps 1..rows are done and saved; step rows + 1 is in its rollout, held
         assert stop(p, signal.SIGTERM) == 128 + signal.SIGTERM, p.err()[-3000:]
+        first = open(out + "/metrics.jsonl").read().splitlines()[:rows + 1]  # (step 0, the evaluation, too)
+        (tmp_path / "hold").unlink()
+        wait_for("a step of the requeued run", lambda: len(logged(out)) > rows, q)
+        assert stop(q, signal.SIGUSR1) == 128 + signal.SIGUSR1, q.err()[-3000:]
     finally:
         (tmp_path / "hold").unlink(missing_ok=True)
-        p.kill()
-    step = json.load(open(out + "/checkpoint/grpo_args.json"))["step"]
-    assert step == metrics(out)[-1]["step"] == rows
-    assert p.out().strip().splitlines()[-1] == f"grpo: stopped at step {step}: --resume to continue " \
+        for r in (p, q):
+            r and r.kill()
+    assert p.out().strip().splitlines()[-1] == f"grpo: stopped at step {rows}: --resume to continue " \
                                               f"({out}/checkpoint; metrics in {out}/metrics.jsonl)"
-    assert "Traceback" not in p.err()
+    assert "Traceback" not in p.err() + q.err()
+    assert open(out + "/metrics.jsonl").read().splitlines()[:rows + 1] == first  # its steps, as that run logged
+    step = json.load(open(out + "/checkpoint/grpo_args.json"))["step"]
+    assert step == metrics(out)[-1]["step"] > rows
     import peft
     from transformers import AutoModelForCausalLM
     peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_dir), out + "/checkpoint")
@@ -2244,18 +2436,19 @@ def test_a_signal_while_a_step_is_saved_stops_after_that_step(tiny_dir, tmp_path
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("grpo: stopped at step 1: --resume")
 
 
-def test_signals_inside_a_save_do_not_break_it_and_sighup_stops_as_sigterm_does(tiny_dir, tmp_path, monkeypatch,
-                                                                                 capsys):
-    """SIGHUP (the terminal closed) in a rollout stops the run as SIGTERM does: the last completed step is saved at
-    once. A Ctrl-C and a SIGTERM that land inside that save are only noted: it completes, and the run exits 128 +
-    the first signal."""
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGUSR1, signal.SIGQUIT])
+def test_signals_inside_a_save_do_not_break_it_and_others_stop_as_sigterm_does(tiny_dir, tmp_path, monkeypatch,
+                                                                                capsys, sig):
+    """SIGHUP (the terminal closed), SIGUSR1 (`sbatch --signal=USR1@T`: the time limit is near) or SIGQUIT in a
+    rollout stops the run as SIGTERM does: the last completed step is saved at once. A Ctrl-C and a SIGTERM that
+    land inside that save are only noted: it completes, and the run exits 128 + the first signal."""
     out = str(tmp_path / "out")
     rollout, save = grpo.rollout, grpo.save
     calls = []
     def hang_up_in_step_2(*args, **kw):
         calls.append(1)
         if len(calls) == 2:
-            os.kill(os.getpid(), signal.SIGHUP)
+            os.kill(os.getpid(), sig)
         return rollout(*args, **kw)
     def save_with_signals(*args):
         os.kill(os.getpid(), signal.SIGINT)
@@ -2263,13 +2456,13 @@ def test_signals_inside_a_save_do_not_break_it_and_sighup_stops_as_sigterm_does(
         save(*args)
     monkeypatch.setattr(grpo, "rollout", hang_up_in_step_2)
     monkeypatch.setattr(grpo, "save", save_with_signals)
-    signal.signal(signal.SIGHUP, lambda *_: pytest.fail("SIGHUP is not handled"))  # (as is, it kills pytest)
+    signal.signal(sig, lambda *_: pytest.fail(f"{sig!r} is not handled"))  # (as is, it kills pytest, or is ignored)
     try:
         with pytest.raises(SystemExit) as stop:
             main(["--model", tiny_dir, "--max-steps", "3", "--output-dir", out, "--eval-every", "0"] + TINY)
     except KeyboardInterrupt:
         pytest.fail("a Ctrl-C inside the save broke it")
-    assert stop.value.code == 128 + signal.SIGHUP and len(calls) == 2
+    assert stop.value.code == 128 + sig and len(calls) == 2
     assert json.load(open(out + "/checkpoint/grpo_args.json"))["step"] == metrics(out)[-1]["step"] == 1
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("grpo: stopped at step 1: --resume")
 
@@ -2317,6 +2510,7 @@ def test_an_output_dir_that_cannot_be_made_or_that_a_run_deletes_is_refused_firs
     (tmp_path / "file").touch()
     for out, says in ((tmp_path / "file" / "out", f"cannot be made: '{tmp_path}/file' is not a directory we can"),
                       (pathlib.Path("/dev/null/out"), "cannot be made: '/dev/null' is not a directory we can write$"),
+                      (pathlib.Path("/proc/out"), "cannot be made: '/proc' is not a directory we can write$"),
                       (run / "checkpoint", f"is inside a checkpoint of the run in '{run}'$"),
                       (run / "checkpoint.old" / "x", f"is inside a checkpoint of the run in '{run}'")):
         with pytest.raises(SystemExit, match=f"^grpo: error: --output-dir '{out}' {says}"):

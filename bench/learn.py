@@ -1,6 +1,6 @@
 """Does grpo.py learn? Each preset on a tiny local model and a verifiable toy task, on a CPU.
 
-    python bench/learn.py            # all presets and the mixed pool; writes bench/out/learning.png and .md
+    python bench/learn.py [STEPS]    # all presets and the mixed pool, 800 steps each (STEPS); bench/out/learning.md
 
 The task: 'a+b=' for digits a, b (100 prompts), reward `correct` (1/0; DAPO's preset uses +1/-1).
 The model: a 2-layer Qwen2 built locally (tiny.py), byte-level tokenizer, given a short supervised
@@ -11,6 +11,7 @@ trains it from there: full fine-tuning, 32 prompts x 8 completions a step, lr 2e
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -112,7 +113,7 @@ def main(steps=800, warmup_steps=200):
         rew, acc = [r["reward/mean"] for r in rows], [r["accuracy"] for r in rows]
         key = "reward/mean_student" if "reward/mean_student" in rows[0] else "reward/mean"
         rew = [r[key] for r in rows]  # the mixed run: the student's own samples, not the pool's
-        first, last = (lambda xs: sum(xs[:20]) / 20), (lambda xs: sum(xs[-20:]) / 20)
+        first, last = (lambda xs: statistics.mean(xs[:20])), (lambda xs: statistics.mean(xs[-20:]))
         table.append(f"| {name} | {first(rew):.2f} | {last(rew):.2f} | {first(acc):.2f} | {last(acc):.2f} "
                      f"| {rows[-1]['eval/accuracy']:.2f} | {len(rows)} | {wall:.0f} s |")
         curves[name] = smooth(acc)
@@ -120,7 +121,10 @@ def main(steps=800, warmup_steps=200):
     md = "\n".join(table)
     with open(os.path.join(OUT, "learning.md"), "w") as f:
         f.write(md + "\n")
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:  # (bench/requirements.txt)
+        return print(f"no plot without matplotlib: the table is in {OUT}/learning.md")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -135,4 +139,4 @@ def main(steps=800, warmup_steps=200):
 
 
 if __name__ == "__main__":
-    main()
+    main(*map(int, sys.argv[1:2]))
