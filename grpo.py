@@ -82,7 +82,7 @@ class Args:
                        "else start it", ("on", "auto"))
     overwrite: bool = flag(False, "start over in an --output-dir that holds a run, deleting it")
     max_steps: int = flag(200, "steps: a rollout, then num_iterations updates on it", bounds="(0, inf)")
-    seed: int = flag(0, "seeds the data order, sampling (+1000 * rank) and the LoRA init")
+    seed: int = flag(0, "seeds the data order, sampling (+1000 * rank) and the LoRA init", bounds="[0, 2e18]")
     dry_run: bool = flag(False, "print the objective the flags optimise and the flags, then exit")
     save_every: int = flag(50, "steps between checkpoints (0: only at the end)")
     wandb_project: str = flag("", "log to this wandb project too (needs wandb installed)")
@@ -533,7 +533,10 @@ def build_rewards(a: Args) -> list[tuple[str, object, float]]:
         path, _, name = a.reward_fn.rpartition(":")
         if not path.endswith(".py") or not os.path.isfile(path):
             fail(f"--reward-fn {a.reward_fn!r}: expected an existing PATH.py:FUNCTION")
-        fn = runpy.run_path(path).get(name)  # the file's globals
+        try:
+            fn = runpy.run_path(path).get(name)  # the file's globals
+        except SystemExit as e:  # sys.exit() as it loads: the run would end there, saying nothing
+            fail(f"--reward-fn: {path} called sys.exit({e.code!r}) as it loaded")
         if not callable(fn):
             fail(f"--reward-fn: {path} has no function {name!r}")
         fns.append((name, fn, 1.0))
@@ -1268,8 +1271,6 @@ def check_output_dir(a: Args):  # before anything loads
             fail(f"--output-dir {a.output_dir!r} is inside a checkpoint of the run in {str(up.parent)!r}")
 
 def start(a: Args):
-    if a.seed >= 2 ** 63:  # torch's seeds are 64-bit, and rank r's is seed + 1000 r
-        fail(f"--seed must be below 2^63, not {a.seed}")
     rank, world, device = setup_distributed()
     if a.prompts_per_step % world:
         fail(f"--prompts-per-step {a.prompts_per_step} must divide over {world} ranks (whole groups a rank)")

@@ -2085,14 +2085,17 @@ def test_a_diverging_learning_rate_ends_in_one_line(tiny_dir, tmp_path):
     ("wandb missing", "--wandb-project: `pip install wandb`"),
     ("model missing", "--model '.*no-such-dir'"),
     ("model without weights", "--model '.*no-weights': .*no file named model.safetensors"),
-    ("seed past 64 bits", r"^grpo: error: --seed must be below 2\^63, not 18446744073709551615$"),
+    ("seed past 64 bits", r"^grpo: error: --seed must be in \[0, 2e18\], not 18446744073709551615$"),
+    ("reward file exits", r"--reward-fn: .*exits.py called sys.exit\(0\) as it loaded"),
 ])
 def test_every_input_is_checked_before_anything_is_written(tiny_dir, tmp_path, case, says, monkeypatch):
     out = tmp_path / "out"
     argv = ["--model", tiny_dir, "--output-dir", str(out)] + TINY
     (tmp_path / "rw.py").write_text("import sys\ndef r(c, a, **kw):\n    sys.exit(3)\n")
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(0)\n")
     extra = {"reward calls sys.exit": ["--reward-fn", f"{tmp_path}/rw.py:r"],
              "reward file missing": ["--reward-fn", f"{tmp_path}/nope.py:r"],
+             "reward file exits": ["--reward-fn", f"{tmp_path}/exits.py:r"],
              "no such function": ["--reward-fn", f"{tmp_path}/rw.py:nope"],
              "rewards weight nan": ["--rewards", "correct:nan"], "wandb missing": ["--wandb-project", "x"],
              "model missing": ["--model", str(tmp_path / "no-such-dir")],
