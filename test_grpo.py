@@ -317,6 +317,27 @@ def test_k3_ratio_is_weighted_by_the_policy_ratio_off_policy():
     assert value.item() == pytest.approx(r * (math.exp(d) - d - 1)) and logp.grad.item() == pytest.approx(-r * d)
 
 
+# ----------------------------------------------------------------------------- the step: advantages and masks
+def step(a, reward, mask=None, **inputs):
+    """step_terms on one process's rows: rewards (M,), groups of G = a.num_generations rows; a mask of 3 tokens
+    a row unless given; inputs: what a term reads (old_logp, ref_logp, old_entropy, per_fn, truncated)."""
+    reward = torch.as_tensor(reward, dtype=torch.float64)
+    mask = torch.ones(len(reward), 3, dtype=torch.float64) if mask is None else torch.as_tensor(mask).double()
+    s = dict(reward=reward, mask=mask, truncated=torch.zeros(len(reward), dtype=torch.bool),
+             is_teacher=torch.zeros(len(reward), dtype=torch.bool), sampler_logp=torch.zeros_like(mask),
+             per_fn=reward[:, None])
+    return grpo.step_terms({**s, **inputs}, a)
+
+
+def test_top_entropy_quantile_with_no_token_left_to_train_trains_nothing():
+    """--mask-truncated on a step whose completions were all cut at T leaves no token: the quantile of nothing
+    was a crash (torch.quantile of an empty tensor); now the step trains nothing, as without the flag."""
+    a = grpo.Args(num_generations=2, top_entropy_quantile=0.5, mask_truncated=True)
+    adv, row_adv, mask, *_ = step(a, [1.0, 0.0], old_entropy=torch.rand(2, 3).double(),
+                                  truncated=torch.ones(2, dtype=torch.bool))
+    assert not mask.any() and torch.isfinite(adv).all() and row_adv.abs().min() > 0.5
+
+
 def test_evaluate_reports_greedy_mean_and_pass_at_k(loaded, monkeypatch):
     """Prompts with known numbers of right samples (0, 1 and 3 of 4): mean@4, pass@2, pass@4 by hand."""
     a, model, tok = loaded
