@@ -521,20 +521,22 @@ def test_clip_cov_by_hand():
     """Clip-Cov (2505.22617), as verl: the clip loss, and none (no gradient) at cov_ratio of the tokens, drawn by
     torch.randperm among the unclipped ones with cov_low < cov < cov_high (strictly); at least one."""
     e = math.exp
-    loss, g = token_loss(cov_inputs(), surrogate="clip_cov", cov_low=0.5)  # [0, 0] clipped: [1, 1] alone is drawn
-    assert torch.allclose(loss, torch.tensor([[-2 * 1.2, -2 * e(-0.2), 0], [e(0.3), 0, 0]]))
-    assert torch.allclose(g, torch.tensor([[0, -2 * e(-0.2), 0], [e(0.3), 0, 0]]))
-    x = cov_inputs(log_r00=0.1)  # [0, 0] unclipped: two candidates, [0, 0] (cov 0.9375) and [1, 1]
-    torch.manual_seed(0)
-    first = torch.randperm(2)[0].item()
-    torch.manual_seed(0)
-    _, g = token_loss(x, surrogate="clip_cov", cov_low=0.5)
-    assert [g[0, 0].item() == 0, g[1, 1].item() == 0] == [first == 0, first == 1]
+    want = [[-2 * 1.2, -2 * e(-0.2), 0], [e(0.3), 0, 0]], [[0, -2 * e(-0.2), 0], [e(0.3), 0, 0]]
+    for ratio in (2e-4, 1.0):  # [0, 0] (cov 0.9375) is clipped: [1, 1] alone is drawn, of 1 token or all
+        loss, g = token_loss(cov_inputs(), surrogate="clip_cov", cov_low=0.5, cov_ratio=ratio)
+        assert torch.allclose(loss, torch.tensor(want[0])) and torch.allclose(g, torch.tensor(want[1]))
+    x = cov_inputs(log_r00=0.1)  # [0, 0] unclipped: two candidates, [0, 0] and [1, 1]
+    for seed in range(6):  # the one drawn is randperm's first, under the seed: both happen
+        torch.manual_seed(seed)
+        first = torch.randperm(2)[0].item()
+        torch.manual_seed(seed)
+        _, g = token_loss(x, surrogate="clip_cov", cov_low=0.5)
+        assert [g[0, 0].item() == 0, g[1, 1].item() == 0] == [first == 0, first == 1]
     _, g = token_loss(x, surrogate="clip_cov", cov_low=0.5, cov_ratio=1.0)  # every candidate
     assert g[0, 0] == g[1, 1] == 0 and g[0, 1] != 0
-    _, g = token_loss(x, surrogate="clip_cov", cov_low=0.9375)  # cov = 0.9375 exactly: not above cov_low
+    _, g = token_loss(x, surrogate="clip_cov", cov_low=0.9375, cov_ratio=1.0)  # cov = 0.9375: not above cov_low
     assert g[0, 0] != 0 and g[1, 1] == 0
-    _, g = token_loss(x, surrogate="clip_cov", cov_low=0.5, cov_high=2.0625)  # nor below cov_high
+    _, g = token_loss(x, surrogate="clip_cov", cov_low=0.5, cov_high=2.0625, cov_ratio=1.0)  # nor below cov_high
     assert g[0, 0] == 0 and g[1, 1] != 0
 
 
@@ -578,21 +580,21 @@ def test_kl_cov_against_verl(kw, value, grad):
 
 def test_gmpo_by_hand():
     """GMPO (2507.20673): -A_i exp(mean_t log r_t), each log r_t clipped to [-eps_low, eps_high] on A_i's side
-    only (min with A > 0, max with A < 0), a mean over o_i's tokens; eps 0.4; seq-mean-token-mean. A clipped
-    token has no gradient, the others -A_i s_i / |o_i| each (then / n_seq)."""
+    only (min with A > 0, max with A < 0), a mean over o_i's tokens; seq-mean-token-mean. A clipped token has no
+    gradient, the others -A_i s_i / |o_i| each (then / n_seq). Here eps_low 0.3, eps_high 0.4 (log space)."""
     mask = torch.tensor([[1.0, 1], [1, 1], [1, 0]])
     log_r = torch.tensor([[0.5, -0.1], [0.5, -0.5], [0.2, 5.0]])  # row 2's 5.0 is padding
     logp = torch.full((3, 2), -1.0, requires_grad=True)
     adv = torch.tensor([[1.0], [-1.0], [1.0]])
-    a = grpo.Args(surrogate="gmpo", eps_low=0.4, eps_high=0.4)
+    a = grpo.Args(surrogate="gmpo", eps_low=0.3, eps_high=0.4)
     loss, _, _ = grpo.policy_loss(logp, logp.detach() - log_r, adv, mask, a)
     total = grpo.aggregate_loss(loss, mask, "seq-mean-token-mean", 2)[0]
     g, = torch.autograd.grad(total, logp)
     e = math.exp
-    # row 0 (A > 0): 0.5 -> 0.4, -0.1 kept: s = e^0.15. Row 1 (A < 0): 0.5 kept, -0.5 -> -0.4: s = e^0.05.
+    # row 0 (A > 0): 0.5 -> 0.4, -0.1 kept: s = e^0.15. Row 1 (A < 0): 0.5 kept, -0.5 -> -0.3: s = e^0.1.
     # Row 2: one token, s = e^0.2
-    assert total.item() == pytest.approx((-e(0.15) + e(0.05) - e(0.2)) / 3)
-    assert torch.allclose(g, torch.tensor([[0, -e(0.15) / 6], [e(0.05) / 6, 0], [-e(0.2) / 3, 0]]))
+    assert total.item() == pytest.approx((-e(0.15) + e(0.1) - e(0.2)) / 3)
+    assert torch.allclose(g, torch.tensor([[0, -e(0.15) / 6], [e(0.1) / 6, 0], [-e(0.2) / 3, 0]]))
 
 
 def test_gmpo_against_verl_and_trl():
@@ -796,6 +798,8 @@ def test_gdpo_by_hand_and_against_trl():
            0.525249719619751, 0.525249719619751, -0.525249719619751, -1.3109142780303955, 1.5842576026916504,
            -0.37152013182640076, 0.09817692637443542]
     assert row_adv.tolist() == pytest.approx(trl, abs=1e-6) and not flat.any()
+    _, same, *_ = step(replace(a, scale="none"), (per_fn * torch.tensor([1, 0.5])).sum(1), per_fn=per_fn)
+    assert torch.equal(same, row_adv)  # each reward's z-score whatever --scale (TRL's, the paper's)
     per_fn = torch.tensor([[1.0, 0], [0, 2], [1, 1], [1, 1]])  # totals 1, 1 | 1.5, 1.5 (weights 1, 0.5)
     a = replace(a, num_generations=2)
     _, row_adv, _, flat, *_ = step(a, (per_fn * torch.tensor([1, 0.5])).sum(1), per_fn=per_fn)
