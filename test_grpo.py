@@ -1708,6 +1708,31 @@ def test_with_beta_the_zero_variance_rows_train_their_kl(loaded):
     assert_same_update(u, hand_update(model, batch, a.loss_agg, 6, beta=0.1))
 
 
+def test_the_entropy_bonus_trains_equal_reward_groups(loaded):
+    """With --entropy-coef the gradient at A = 0 is not 0 (probe), so the equal-reward groups are not skipped:
+    on two such groups the step trains every row and moves the weights; without it, none."""
+    a, model, tok = loaded
+    a = replace(a, max_grad_norm=0.0, max_new_tokens=6)
+    groups = tiny.fixed_groups(tok, [[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0]], a)
+    u, m = sgd_update(model, replace(a, entropy_coef=0.01), groups, tok.pad_token_id)
+    assert m["train/rows"] == 8 and any(v.abs().max() > 0 for v in u.values())
+    u, m = sgd_update(model, a, groups, tok.pad_token_id)
+    assert m["train/rows"] == 0 and not any(v.abs().max() > 0 for v in u.values())
+
+
+def test_full_fine_tuning_with_kl_in_reward_reads_a_frozen_copy(tiny_dir):
+    """--lora-r 0 --kl-in-reward: the step reads ref_logp before the advantage, so a frozen copy of the start is
+    built (without one, step 1 failed): the KL in the reward is 0 at step 1, then the policy has moved."""
+    a = grpo.parse_args(["--model", tiny_dir, "--lora-r", "0", "--kl-in-reward", "0.01", "--beta", "0"] + TINY
+                        + ["--max-new-tokens", "6"])
+    model, tok, ref = grpo.load_model(a, torch.device("cpu"))
+    assert ref is not None and not any(p.requires_grad for p in ref.parameters())
+    opt = grpo.make_optimizer(a, model)
+    groups = tiny.fixed_groups(tok, REWARDS, a)
+    kls = [grpo.train_step(model, ref, opt, groups, a)["kl/in_reward"] for _ in range(2)]
+    assert kls[0] == pytest.approx(0, abs=1e-6) and abs(kls[1]) > 1e-4
+
+
 def test_full_fine_tuning_kl_is_against_a_frozen_copy_of_the_start(tiny_dir):
     """--lora-r 0 --beta > 0: the reference is a frozen copy of the starting model, so kl is 0 at the first step
     and grows as the policy moves, equal each step to k3 against a separately loaded starting model; the
@@ -2320,6 +2345,29 @@ def test_newer_losses_and_kl_terms_train(tiny_dir, tmp_path, extra):
          + reward_file(tmp_path))
     rows = metrics(out)
     assert len(rows) == 2 and all(r["grad/norm"] > 0 and math.isfinite(r["loss"]) and r["kl"] >= 0 for r in rows)
+
+
+def test_the_new_variants_train_together(tiny_dir, tmp_path):
+    """Several new flags at once (and --algo grpo's KL loss), two steps; the KL in the reward is against the
+    LoRA policy's adapter switched off."""
+    out = str(tmp_path / "out")
+    main(["--model", tiny_dir, "--max-steps", "2", "--output-dir", out] + TINY + ["--eval-every", "0"]
+         + ["--surrogate", "kl_cov", "--kl-in-reward", "0.01", "--top-entropy-quantile", "0.5", "--entropy-coef",
+            "0.01", "--tis", "2", "--tis-mode", "sequence_mask", "--tis-min", "0.5", "--opsm-delta", "0.5",
+            "--num-iterations", "2"] + reward_file(tmp_path))
+    rows = metrics(out)
+    assert len(rows) == 2 and all(math.isfinite(v) for r in rows for v in r.values() if isinstance(v, float))
+    assert all(r["train/rows"] == 8 and r["grad/norm"] > 0 for r in rows)  # the entropy bonus: no group skipped
+    assert rows[0]["kl/in_reward"] == 0 and rows[1]["kl/in_reward"] != 0  # LoRA starts at the reference
+
+
+def test_gdpo_trains_on_each_reward_apart(tiny_dir, tmp_path):
+    out = str(tmp_path / "out")
+    main(["--model", tiny_dir, "--max-steps", "2", "--output-dir", out] + TINY + ["--eval-every", "0"]
+         + ["--adv-estimator", "gdpo"] + reward_file(tmp_path)[:2] + ["--rewards", "correct,format:0.5"])
+    rows = metrics(out)
+    assert len(rows) == 2 and all(math.isfinite(r["loss"]) and r["grad/norm"] > 0 for r in rows)
+    assert {"reward/correct", "reward/format", "reward/digits"} <= set(rows[0])
 
 
 @pytest.mark.parametrize("extra", [["--load-in-4bit"], ["--optim", "adamw_8bit"], ["--optim", "paged_adamw_8bit"],
