@@ -1106,6 +1106,37 @@ def test_the_registry_and_the_weights_reach_the_reward():
     assert total.tolist() == [0.5 + 2 + 0.25, -2.0]
 
 
+def test_cosine_reward_by_hand_and_against_trl():
+    """Demystifying Long CoT (2502.03373) App. C.1 with TRL 1.16.0 get_cosine_scaled_reward(max_len=100)'s
+    defaults: v = lo + (hi - lo)(1 + cos(pi min(L / L_max, 1))) / 2, (lo, hi) = (0.5, 1) if correct else
+    (-0.5, -1). TRL's values at lengths 0, 0, 50, 50, 150 (correct, wrong, ...): 1, -1, 0.75, -0.75, 0.5."""
+    right, wrong = "so \\boxed{3}", "so \\boxed{4}"
+    got = [R.cosine(text, "3", length=n, max_length=100)
+           for text, n in ((right, 0), (wrong, 0), (right, 50), (wrong, 50), (right, 150))]
+    assert got == pytest.approx([1.0, -1.0, 0.75, -0.75, 0.5])
+    c = math.cos(math.pi / 4)  # length 25 of 100
+    assert R.cosine(right, "3", length=25, max_length=100) == pytest.approx(0.5 + 0.25 * (1 + c))
+    assert R.cosine(wrong, "3", length=25, max_length=100) == pytest.approx(-0.5 - 0.25 * (1 + c))
+    assert R.cosine(wrong, "3", length=10 ** 6, max_length=100) == -0.5  # past L_max: L_max's value
+    assert R.REWARDS["cosine"] is R.cosine and R.cosine.reads_answer
+    fns = grpo.build_rewards(grpo.parse_args(["--rewards", "cosine", "--max-new-tokens", "100"]))  # T is L_max
+    total, _, _ = grpo.score([right, wrong], [{"prompt": "1+2?", "answer": "3"}] * 2, [50, 100], fns,
+                             grpo.parse_args([]))
+    assert total.tolist() == pytest.approx([0.75, -0.5])
+
+
+def test_repetition_reward_by_hand_and_against_trl():
+    """Demystifying Long CoT (2502.03373) App. C.2, open-r1's: (1 - unique / total 3-grams of the lower-cased
+    whitespace words) * -1, 0 under 3 words. The values are TRL 1.16.0 get_repetition_penalty_reward(ngram_size=3,
+    max_penalty=-1)'s, given these texts' lower-cased word lists as its token ids."""
+    texts = ["the cat sat on the mat", "a a a a a a", "Go go GO go go\nGO", "one two", "",
+             "x y z x y z x", "so so so so so so so so so so"]
+    trl = [0.0, -0.75, -0.75, 0.0, 0.0, -0.4, -0.875]
+    # 'a a a a a a': 4 trigrams, 1 unique: -(1 - 1/4); 'x y z x y z x': xyz yzx zxy xyz yzx, 3 of 5 unique: -0.4
+    assert [R.repetition(t, "") for t in texts] == pytest.approx(trl)
+    assert R.REWARDS["repetition"] is R.repetition and not getattr(R.repetition, "reads_answer", False)
+
+
 def test_overlong_penalty_by_hand():
     """DAPO (2503.14476) eq. 13 with L_max = 10, L_cache = 4: 0 up to 6 tokens, then (6 - |o|) / 4 down to
     -1 at 10 tokens, -1 beyond."""
@@ -1129,7 +1160,7 @@ def test_adversarial_text_is_finite_and_fast(text):
     signal.signal(signal.SIGALRM, hang)
     signal.alarm(60)
     try:
-        for fn in (R.correct, R.correct_pm1, R.r1_format):  # math_verify: see README (its own 5 s timeouts)
+        for fn in (R.correct, R.correct_pm1, R.r1_format, R.cosine, R.repetition):  # math_verify: see README
             assert math.isfinite(fn(text, "42"))
     finally:
         signal.alarm(0)
