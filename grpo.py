@@ -804,8 +804,8 @@ def step_terms(s: dict, a: Args):
         words["m"] += ", 0 on a truncated completion"
     row_adv = adv.reshape(-1)  # (M,): A_i; then token-level terms
     adv = row_adv[:, None]
-    if a.top_entropy_quantile < 1:  # 80/20 (2506.01939): the policy loss on the top-ρ tokens by π_old's
-        H = s["old_entropy"]  # entropy, every trained token of the step (the KL and normalisers as they were)
+    if a.top_entropy_quantile < 1 and mask.any():  # 80/20 (2506.01939): the policy loss on the top-ρ tokens by
+        H = s["old_entropy"]  # π_old's entropy, of the step's trained tokens if any (KL, normalisers as they were)
         adv = adv * (H >= torch.quantile(H[mask > 0], 1 - a.top_entropy_quantile))
         words["A"] += f"  ·  1[H_i,t ≥ its {1 - a.top_entropy_quantile:g} quantile in the step]"
     return adv, row_adv, mask, flat, stats, words

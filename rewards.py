@@ -1,9 +1,11 @@
-"""Reward functions for grpo.py: answer extraction, math correctness, format, overlong shaping.
+"""Reward functions for grpo.py: answer extraction, math correctness, format, length-scaled
+correctness (cosine), n-gram repetition, overlong shaping.
 
 A reward is `fn(completion: str, answer: str, **kw) -> float`: the completion text
 (special tokens stripped), the reference answer (for GSM8K the number after
 `####`), and as keywords `length` (the completion's tokens, its EOS included) and
-the data record's other fields. `REWARDS` maps the names that
+the data record's other fields; one with a `max_length` parameter gets
+T = --max-new-tokens there. `REWARDS` maps the names that
 `--rewards correct:1,format:0.2` accepts to these functions. Add yours there, or
 pass `--reward-fn my_file.py:my_fn` without touching this file. A reward that
 grades against the answer is marked `@reads_answer`: grpo.py then refuses records
@@ -14,6 +16,7 @@ every answer and number is capped in length, so adversarial text (megabytes of
 digits, nested braces, unicode) returns a finite float quickly. The standard
 library only; `math_verify` (optional) imports its package when first called.
 """
+import math
 import re
 from fractions import Fraction
 
@@ -226,7 +229,30 @@ def math_verify(completion: str, answer: str, **kw) -> float:
     return 1.0 if verify(parse(f"${answer}$"), parse(f"${found}$")) else 0.0
 
 
-REWARDS = {"correct": correct, "correct_pm1": correct_pm1, "format": r1_format, "math_verify": math_verify}
+@reads_answer
+def cosine(completion: str, answer: str, length: int = 0, max_length: int = 256, **kw) -> float:
+    """Demystifying Long CoT (2502.03373) App. C.1, with TRL's get_cosine_scaled_reward defaults: correctness
+    scaled by the length (tokens) on a cosine, 1.0 at length 0 down to 0.5 at max_length when correct, -1.0 up
+    to -0.5 when wrong: short right answers score best, short wrong ones worst. Past max_length the length
+    counts as max_length. grpo.py passes max_length = --max-new-tokens (T; 256 is its default)."""
+    progress = min(length / max_length, 1.0)
+    lo, hi = (0.5, 1.0) if is_correct(completion, answer) else (-0.5, -1.0)  # at max_length, at 0
+    return lo + 0.5 * (hi - lo) * (1 + math.cos(math.pi * progress))
+
+
+def repetition(completion: str, answer: str, ngram_size: int = 3, max_penalty: float = -1.0, **kw) -> float:
+    """Demystifying Long CoT (2502.03373) App. C.2, as open-r1: the share of repeated n-grams of the lower-cased
+    whitespace words, (1 - unique / total) * max_penalty; 0 with fewer than n words. (TRL's
+    get_repetition_penalty_reward counts n-grams of token ids; a reward gets the text.)"""
+    words = completion.lower().split()
+    grams = list(zip(*[words[i:] for i in range(ngram_size)]))
+    if not grams:
+        return 0.0
+    return (1 - len(set(grams)) / len(grams)) * max_penalty
+
+
+REWARDS = {"correct": correct, "correct_pm1": correct_pm1, "format": r1_format, "math_verify": math_verify,
+           "cosine": cosine, "repetition": repetition}
 
 
 def overlong_penalty(length: int, max_len: int, buffer: int) -> float:
