@@ -109,16 +109,14 @@ class Args:
     kl_in_reward: float = flag(0.0, "β: R_i -= β Σ_t log π_old/π_ref before the advantage (RLOO's KL)")
     adv_estimator: str = flag("grpo", "grpo | rloo | reinforce_plus_plus_baseline | gdpo (verl's names)",
                               ("grpo", "rloo", "reinforce_plus_plus_baseline", "gdpo"))  # advantage
-    scale: str = flag("std", "grpo's: (R - mean_g) / (std_g + eps) | none: R - mean_g | batch: std_g -> std",
-                      ("std", "none", "batch"))
+    scale: str = flag("std", "grpo's R - mean_g: / std_g | none | / the step's std", ("std", "none", "batch"))
     std_eps: float = flag(1e-6, "eps in the std scaling and in the soft weights", bounds="(0, inf)")
     soft_reweight: bool = flag(False, "Dr. GRPO+ soft: A *= std_g / max std over the step's groups")
     dynamic_sampling: bool = flag(False, "DAPO §3.2: keep groups of unequal rewards, sample again to refill")
     max_gen_rounds: int = flag(4, "sampling rounds a step at most (dynamic sampling)", bounds="(0, inf)")
     top_k_groups: int = flag(0, "keep the k groups with the largest reward std (0: off)")
     skip_zero_variance: bool = flag(True, "no forward/backward for equal-reward groups, where ∇ = 0 at A = 0")
-    top_entropy_quantile: float = flag(1.0, "ρ: policy loss on the step's top-ρ entropy tokens only (1: all)",
-                                       bounds="[0, 1]")
+    top_entropy_quantile: float = flag(1.0, "ρ: policy loss on the top-ρ tokens by entropy", bounds="[0, 1]")
     loss_agg: str = flag("seq-mean-token-mean", "token losses to one number", LOSS_AGGS)  # loss
     eps_low: float = flag(0.2, "ratio clipped below at 1 - eps_low", bounds="[0, 1)")
     eps_high: float = flag(0.2, "ratio clipped above at 1 + eps_high (DAPO clip-higher: 0.28)")
@@ -127,11 +125,9 @@ class Args:
                                                                     "clip_cov", "kl_cov"))
     sapo_tau_pos: float = flag(1.0, "SAPO gate temperature where A > 0", bounds="(0, inf)")
     sapo_tau_neg: float = flag(1.05, "SAPO gate temperature where A < 0", bounds="(0, inf)")
-    dual_clip: float = flag(0.0, "c: where A < 0 loss at most c |A| (c >= 1+eps_high: r clamped at c)",
-                            bounds="(1, inf)")
+    dual_clip: float = flag(0.0, "c: where A < 0 the loss is at most c |A| (off: 0)", bounds="(1, inf)")
     cov_ratio: float = flag(2e-4, "clip_cov, kl_cov: the share of a micro-batch's tokens they select")
-    cov_low: float = flag(1.0, "clip_cov: it selects among tokens of cov_low < cov(A, log π) < cov_high",
-                          bounds="(-inf, inf)")
+    cov_low: float = flag(1.0, "clip_cov: where cov_low < cov(A, log π) < cov_high", bounds="(-inf, inf)")
     cov_high: float = flag(5.0, "clip_cov: see --cov-low", bounds="(-inf, inf)")
     cov_kl_coef: float = flag(0.1, "kl_cov: the |log r| penalty's weight on the selected tokens")
     opsm_delta: float = flag(math.inf, "δ: no policy loss where A < 0 and mean_t log π_sampler/π > δ")
@@ -426,7 +422,7 @@ def load_model(a: Args, device: torch.device, resume: str | None = None):
         model = peft.get_peft_model(model, config)
         if resume:
             model.load_adapter(resume, "default", is_trainable=True)
-    elif "ref_logp" in set().union(*probe(a)[0].values()):  # full fine-tuning, a term reads the reference:
+    elif "ref_logp" in probe(a)[0]:  # full fine-tuning, and a term reads the reference:
         ref_model = AutoModelForCausalLM.from_pretrained(a.model, **kw).eval().requires_grad_(False)  # a copy
     return model.train(), tok, ref_model  # (from_pretrained gives eval mode: no checkpointing, no dropout)
 
@@ -711,21 +707,20 @@ def policy_logps(model, batch: dict, idx: list[int], a: Args):  # -> logp, entro
         C = batch["mask"].shape[1]
         return token_logps(model, batch["input_ids"][idx], batch["attention_mask"][idx], C, a.temperature)
 
-def step_inputs(model, ref_model, batch: dict, names: set, rows: list[int], a: Args):
-    """batch[name] (N, C) for each step input a term reads (probe), on `rows` (NaN on others), without grad,
-    in micro-batches: old_logp and old_entropy by the policy before the step's first update, ref_logp by the
-    reference: the policy with its LoRA adapter off (no second copy), or full fine-tuning's frozen copy."""
-    if names - {"old_logp", "old_entropy", "ref_logp"}:
-        fail(f"a term reads {sorted(names)}: the step inputs are old_logp, old_entropy and ref_logp")
-    chunks = [rows[i:i + a.micro_batch_size] for i in range(0, len(rows), a.micro_batch_size)]
+def step_inputs(model, ref_model, batch: dict, names: set, a: Args):
+    """batch[name] (N, C) for each step input a term reads (probe), without grad, in micro-batches:
+    old_logp and old_entropy by the policy before the step's first update, ref_logp by the reference: the
+    policy with its LoRA adapter off (no second copy), or full fine-tuning's frozen copy."""
+    N = len(batch["mask"])
+    chunks = [list(range(i, min(i + a.micro_batch_size, N))) for i in range(0, N, a.micro_batch_size)]
     with torch.no_grad():
         if names & {"old_logp", "old_entropy"}:
-            batch["old_logp"] = torch.full_like(batch["mask"], math.nan)
-            batch["old_entropy"] = torch.full_like(batch["mask"], math.nan)
+            batch["old_logp"] = torch.empty_like(batch["mask"])
+            batch["old_entropy"] = torch.empty_like(batch["mask"])
             for idx in chunks:
                 batch["old_logp"][idx], batch["old_entropy"][idx] = policy_logps(model, batch, idx, a)
         if "ref_logp" in names:
-            batch["ref_logp"] = torch.full_like(batch["mask"], math.nan)
+            batch["ref_logp"] = torch.empty_like(batch["mask"])
             with model.disable_adapter() if ref_model is None else nullcontext():
                 for idx in chunks:
                     batch["ref_logp"][idx] = policy_logps(ref_model or model, batch, idx, a)[0]
@@ -804,8 +799,8 @@ def step_terms(s: dict, a: Args):
         words["m"] += ", 0 on a truncated completion"
     row_adv = adv.reshape(-1)  # (M,): A_i; then token-level terms
     adv = row_adv[:, None]
-    if a.top_entropy_quantile < 1 and mask.any():  # 80/20 (2506.01939): the policy loss on the top-ρ tokens by
-        H = s["old_entropy"]  # π_old's entropy, of the step's trained tokens if any (KL, normalisers as they were)
+    if a.top_entropy_quantile < 1 and mask.any():  # 80/20 (2506.01939): the policy loss on the top-ρ of
+        H = s["old_entropy"]  # the step's trained tokens by π_old's entropy (KL, normalisers as they were)
         adv = adv * (H >= torch.quantile(H[mask > 0], 1 - a.top_entropy_quantile))
         words["A"] += f"  ·  1[H_i,t ≥ its {1 - a.top_entropy_quantile:g} quantile in the step]"
     return adv, row_adv, mask, flat, stats, words
@@ -972,10 +967,10 @@ def token_objective(logp, entropy, b: dict, a: Args):
 
 # ----------------------------------------------------------------------------- the step
 def probe(a: Args):
-    """The step's terms run on made-up numbers (one group of G rows of 3 tokens, off-policy: r != 1), without
-    a model: what train_step must know before a step, and what --dry-run shows. Returns the step inputs each
-    stage reads (computed then, and only then), whether ∇ℓ = 0 where A = 0 (then an equal-reward group's
-    forward/backward can be skipped and the gradient is unchanged), and the words each term wrote."""
+    """The step's terms on made-up numbers (a group of G rows of 3 tokens, off-policy: r != 1), no model:
+    the step inputs they read (computed for a step then, and only then), whether ∇ℓ = 0 where A = 0 (then
+    skipping an equal-reward group's forward/backward changes nothing), and the words each term wrote for
+    --dry-run."""
     G = a.num_generations + a.teacher_per_group
     gen = torch.Generator().manual_seed(0)
     def made_up():  # (G, 3) log-probs: any step input a term reads
@@ -983,39 +978,33 @@ def probe(a: Args):
     rows = dict(reward=torch.arange(G, dtype=torch.float), order=torch.zeros(G, dtype=torch.long),
                 mask=torch.ones(G, 3), truncated=torch.zeros(G, dtype=torch.bool),
                 is_teacher=torch.zeros(G, dtype=torch.bool), sampler_logp=made_up(), per_fn=made_up())
-    step = collections.defaultdict(made_up, rows)
-    *_, words = step_terms(step, a)
-    b = collections.defaultdict(made_up, rows, adv=torch.zeros(G, 1))  # A = 0
+    step = collections.defaultdict(made_up, rows, adv=torch.zeros(G, 1))  # A = 0
+    words = step_terms(step, a)[-1]
     logp = made_up().requires_grad_()
     entropy = torch.rand(G, 3, generator=gen).requires_grad_()
-    loss, _, more = token_objective(logp, entropy, b, a)
+    loss, _, more = token_objective(logp, entropy, step, a)
     loss.sum().backward()
     flat = not logp.grad.any() and (entropy.grad is None or not entropy.grad.any())
-    words.update(more)
-    words["loss"] = aggregate_loss(loss, rows["mask"], a.loss_agg, a.max_new_tokens)[1]
-    words["R"] = score([], [], [], [], a)[2] + words["R"]
-    words["groups"] = select_groups(torch.arange(G, dtype=torch.float)[None], a)[2]
-    return {"step": set(step) - set(rows), "objective": set(b) - set(rows) - {"adv"}}, flat, words
+    return set(step) - set(rows) - {"adv"}, flat, {**words, **more}
 
 def prepare(model, ref_model, groups: list[dict], a: Args):
-    """The step before its first update: this rank's rows collated; the inputs its terms read, without
-    grad; step_terms on every rank's rows; this rank's advantages (also in its groups, for samples.jsonl),
-    loss mask and rows to train (an equal-reward group only where skipping it changes nothing); the step's
+    """The step before its first update: this rank's rows collated, with the inputs its terms read;
+    step_terms on every rank's rows; this rank's advantages (also in its groups, for samples.jsonl), loss
+    mask and rows to train (an equal-reward group only where skipping it changes nothing); the step's
     normalisers."""
     device = next(model.parameters()).device
     batch = collate(groups, model.generation_config.pad_token_id, device)
     reads, flat_ok, _ = probe(a)
-    step_inputs(model, ref_model, batch, reads["step"], list(range(len(batch["order"]))), a)
+    step_inputs(model, ref_model, batch, reads, a)
     step, mine = gather_step(batch)
     adv, row_adv, mask, flat, stats, _ = step_terms(step, a)
     n_seqs, n_tokens = torch.stack([(mask.sum(-1) > 0).sum().float(), mask.sum()]).tolist()  # every rank's
-    batch["adv"] = adv[mine, :batch["mask"].shape[1]].to(device)  # (N, 1), or (N, C) per token
-    batch["mask"] = mask[mine, :batch["mask"].shape[1]].to(device)  # (N, C)
+    C = batch["mask"].shape[1]
+    batch.update(adv=adv[mine, :C].to(device), mask=mask[mine, :C].to(device))  # (N, 1) or (N, C); (N, C)
     for g, group_adv in zip(groups, row_adv[mine].split([len(g["completions"]) for g in groups])):
         g["adv"] = group_adv
     skip = flat[mine].to(device) & (a.skip_zero_variance and flat_ok)
     rows = ((batch["mask"].sum(-1) > 0) & ~skip).nonzero()[:, 0].tolist()
-    step_inputs(model, ref_model, batch, reads["objective"] - reads["step"], rows, a)
     return batch, rows, n_seqs, n_tokens, stats
 
 def train_step(model, ref_model, opt, groups: list[dict], a: Args) -> dict:
@@ -1380,18 +1369,18 @@ def describe(a: Args) -> str:
     """--dry-run: the loss the flags optimise, in the words each term writes beside its math (probe: made-up
     numbers, no model, no data), then every flag."""
     _, flat_ok, w = probe(a)
-    reward = " + ".join(filter(None, [a.rewards.replace(",", " + "), a.reward_fn]))
-    lines = [f"loss = {w['loss']},  Σ_t over m_i,t = {w['m']}", f"  ℓ_i,t = {w['ℓ']},  r = {w['r']}",
+    G = a.num_generations + a.teacher_per_group
+    shaping = score([], [], [], [], a)[2]  # what is added to the rewards' sum
+    reward = " + ".join(filter(None, [a.rewards.replace(",", " + "), a.reward_fn])) + shaping
+    skipped = "skipped: ∇ℓ = 0 there" if a.skip_zero_variance and flat_ok else "trained"
+    norm = aggregate_loss(torch.ones(1, 1), torch.ones(1, 1), a.loss_agg, a.max_new_tokens)[1]
+    lines = [f"loss = {norm},  Σ_t over m_i,t = {w['m']}", f"  ℓ_i,t = {w['ℓ']},  r = {w['r']}",
              f"  π_old = {w['π_old']}", f"  A_i = {w['A']}", f"  R_i = {reward}{w['R']}",
-             f"  o_1..{a.num_generations} ~ π_old(·|q), temperature {a.temperature:g}, top-p {a.top_p:g}, "
-             f"top-k {a.top_k}, |o_i| ≤ {a.max_new_tokens}; B = {a.prompts_per_step} prompts q a step",
-             f"  groups trained: {w['groups']}; those of equal rewards (A = 0) "
-             f"{'skipped: ∇ℓ = 0 there' if a.skip_zero_variance and flat_ok else 'trained'}"]
-    if a.teacher_pool:
-        lines.append(f"  + G_t = {a.teacher_per_group} teacher o_i a group ({a.teacher_pool}), R frozen; "
-                     "on their rows π_old = π_θ at the step's start")
-    if a.split_grads:
-        lines.append("  ∇ = g_s + g_t: student and teacher rows backpropagated apart (edit_source_grads)")
+             f"  o_1..{G} ~ π_old(·|q), {a.teacher_per_group} of them from the pool (R frozen), temperature "
+             f"{a.temperature:g}, top-p {a.top_p:g}, top-k {a.top_k}, |o_i| ≤ {a.max_new_tokens}; B = "
+             f"{a.prompts_per_step} prompts q a step",
+             f"  groups trained: {select_groups(torch.arange(G)[None].float(), a)[2]}; those of equal "
+             f"rewards (A = 0) {skipped}"]
     flags = " ".join(f"{dash(k)} {v!r}" for k, v in vars(a).items())
     return "\n".join(lines + ["", textwrap.fill(flags, 100)])
 

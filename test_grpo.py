@@ -840,13 +840,14 @@ def test_kl_in_reward_by_hand_and_against_verl():
     (dict(surrogate="gmpo"), set(), True), (dict(surrogate="vespo"), set(), True),
     (dict(surrogate="kl_cov"), set(), True), (dict(surrogate="clip_cov"), set(), True),
     (dict(adv_estimator="gdpo"), set(), True), (dict(adv_estimator="reinforce_plus_plus_baseline"), set(), True),
+    (dict(num_iterations=2), {"old_logp"}, True), (dict(beta=0.04), {"ref_logp"}, False),
 ])
 def test_probe_says_what_each_variant_reads_and_whether_flat_groups_may_be_skipped(kw, reads, skip):
-    """probe(args): the step inputs read before the advantage (old_entropy for the entropy quantile, old_logp
-    and ref_logp for the KL in the reward), none for the objective at one update without beta, and whether
-    the gradient at A = 0 is 0 (then an equal-reward group's forward/backward is skipped)."""
+    """probe(args): the step inputs a term reads (old_entropy for the entropy quantile, old_logp and ref_logp for
+    the KL in the reward, old_logp for several updates, ref_logp for beta), none at one update without beta, and
+    whether the gradient at A = 0 is 0 (then an equal-reward group's forward/backward is skipped)."""
     got, flat_ok, _ = grpo.probe(grpo.Args(**kw))
-    assert got == {"step": reads, "objective": set()} and flat_ok == skip
+    assert got == reads and flat_ok == skip
 
 
 def test_evaluate_reports_greedy_mean_and_pass_at_k(loaded, monkeypatch):
@@ -1374,6 +1375,7 @@ def test_dry_run_reads_no_model_and_runs_no_reward(tmp_path, capsys):
 
 # run-keeping, data, the model's parametrisation and the optimizer: flags that leave the objective as it is
 NOT_THE_OBJECTIVE = {"algo", "model", "output_dir", "resume", "overwrite", "max_steps", "seed", "dry_run",
+                     "teacher_pool", "split_grads",  # a file's path; the same gradient, summed in two halves
                      "save_every", "wandb_project", "log_samples", "dataset", "eval_dataset", "max_samples",
                      "eval_every", "eval_prompts", "eval_samples", "system_prompt", "compile_generate",
                      "skip_zero_variance", "lora_r", "lora_alpha", "lora_dropout", "load_in_4bit", "dtype",
