@@ -847,9 +847,10 @@ def policy_loss(logp, old_logp, adv, mask, a: Args):
     if a.surrogate == "cispo":
         loss = -clipped.detach() * adv * logp
         words["ℓ"] = f"-sg({clip})·A_i·log π_θ"
-    elif a.surrogate == "gmpo":
-        log_r = torch.where(adv > 0, log_ratio.clamp(max=a.eps_high), log_ratio.clamp(min=-a.eps_low))
-        loss = -adv * torch.exp(log_r.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1))
+    elif a.surrogate == "gmpo":  # the mean over o_i's tokens of A != 0 (--top-entropy-quantile drops some)
+        kept = (mask != 0) & (adv != 0)
+        log_r = torch.where(adv > 0, log_ratio.clamp(max=a.eps_high), log_ratio.clamp(min=-a.eps_low)) * kept
+        loss = -adv * torch.exp(log_r.sum(-1, keepdim=True) / kept.sum(-1, keepdim=True).clamp(min=1))
         words["ℓ"] = f"-A_i·exp(mean_t clip(log r_t, -{a.eps_low:g}, {a.eps_high:g}) on A_i's side)"
     elif a.surrogate == "vespo":
         log_w = log_ratio.detach().clamp(-20, 20).sum(-1, keepdim=True).clamp(math.log(1e-8), 20)  # (N, 1)

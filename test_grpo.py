@@ -600,6 +600,18 @@ def test_gmpo_by_hand():
     assert torch.allclose(g, torch.tensor([[0, -e(0.15) / 6], [e(0.1) / 6, 0], [-e(0.2) / 3, 0]]))
 
 
+def test_gmpo_leaves_tokens_the_entropy_quantile_drops_out_of_its_mean():
+    """With a per-token advantage that is 0 on a token (--top-entropy-quantile dropped it), GMPO's geometric mean is
+    over the kept tokens, as TRL's GMPOTrainer does with its entropy mask: A = 1, log r = [0.5, 0.1], token 1
+    dropped -> -e^clip(0.5) = -e^0.4 at token 0, and no gradient (it is clipped); the dropped token adds 0."""
+    logp = torch.full((1, 2), -1.0, requires_grad=True)
+    a = grpo.Args(surrogate="gmpo", eps_low=0.4, eps_high=0.4)
+    loss, _, _ = grpo.policy_loss(logp, logp.detach() - torch.tensor([[0.5, 0.1]]), torch.tensor([[1.0, 0.0]]),
+                                  torch.ones(1, 2), a)
+    assert loss[0].tolist() == pytest.approx([-math.exp(0.4), 0.0])
+    assert not torch.autograd.grad(loss.sum(), logp)[0].any()
+
+
 def test_gmpo_against_verl_and_trl():
     """verl 0.9.1 compute_policy_loss_geo_mean (clip_ratio 0.4 and 0.2, log space) and TRL 1.16.0 GMPOTrainer
     (epsilon 0.4: 0.02264921473915993, the same to 1e-16) on peer_inputs, with --loss-agg seq-mean-token-mean:
