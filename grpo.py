@@ -756,12 +756,12 @@ def soft_weights(stds: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return stds / (stds.max() + eps)
 
 def step_terms(s: dict, a: Args):
-    """The step as one process sees it: every rank's rows in sampling order, a group's G rows together (M =
-    groups x G). s: rewards R (M,), the completion mask (M, C), truncated, is_teacher, sampler_logp, and what
-    a term reads of old_logp, old_entropy (the policy before the update) and ref_logp (M, C). Returns the
-    advantages (M,), the loss mask (M, C), the rows of groups whose rewards are all equal (A = 0), metrics
-    and --dry-run's words. FORKER: a term at the reward, advantage or mask level is a line here, its words
-    the next; a statistic over the step (a quantile, a batch std) sees every rank's rows."""
+    """The step as one process sees it: every rank's rows in sampling order, G a group. s: rewards R (M,),
+    the completion mask (M, C), truncated, is_teacher, per_fn, sampler_logp and the step inputs a term
+    reads. Returns the advantages (M, 1), or (M, C) per token, A_i (M,), the loss mask (M, C), the rows of
+    equal-reward groups (A = 0), metrics and --dry-run's words. FORKER: a reward-, advantage- or mask-level
+    term is a line here and its words the next; a statistic over the step (a quantile, a batch std) sees
+    every rank's rows."""
     R, mask, stats, G = s["reward"], s["mask"], {}, a.num_generations + a.teacher_per_group
     words = {"R": "", "m": "1 up to and including the first EOS"}
     if a.kl_in_reward:  # as verl's use_kl_in_reward: k1 = log π_old - log π_ref summed over o_i
@@ -807,28 +807,25 @@ def step_terms(s: dict, a: Args):
 
 # ----------------------------------------------------------------------------- the token loss
 def policy_loss(logp, old_logp, adv, mask, a: Args):
-    """Per-token policy loss (N, C), each choice a flag; adv (N, 1) or (N, C). Diagnostics (N, C) by name: the
-    ratio, where it left [1 - eps_low, 1 + eps_high] on the side that matters (below with A < 0, above with
-    A > 0), where dual-clip bound; and --dry-run's words. With old_logp = logp.detach() (r = 1) every choice's
-    gradient is -A grad log pi (clip_cov's picked tokens: none).
+    """Per-token policy loss (N, C), each choice a flag; adv (N, 1), or (N, C) per token. Diagnostics (N, C)
+    by name: the ratio, where it left [1 - eps_low, 1 + eps_high] on the side that matters (below with A < 0,
+    above with A > 0), where dual-clip bound; --dry-run's words. With old_logp = logp.detach() (r = 1) every
+    choice's gradient is -A grad log pi (clip_cov's: none at its drawn tokens).
       ratio      token: r_t = pi / pi_old                                PPO, GRPO
-                 sequence: s_i = exp(mean_t log r_t) at every token       GSPO (2507.18071) eq. 7; its
-                 objective with --loss-agg seq-mean-token-mean (the paper's eps: 3e-4 / 4e-4); LUSPO
-                 (2602.05261) is GSPO with --loss-agg seq-mean-token-sum (TRL's loss_type="luspo")
+                 sequence: s_i = exp(mean_t log r_t) at every token       GSPO (2507.18071) eq. 7, its loss
+                 with seq-mean-token-mean (eps 3e-4 / 4e-4); LUSPO (2602.05261) with seq-mean-token-sum
       surrogate  clip: -min(r A, clip(r, 1-eps_low, 1+eps_high) A)       PPO; DAPO §3.1 clip-higher
                  cispo: -sg(clip(r, 1-eps_low, 1+eps_high)) A log pi      MiniMax-M1 (2506.13585) eq. 4
                  sapo: -(4/tau) sigmoid(tau (r - 1)) A, tau by A's sign   SAPO (2511.20347)
-                 gmpo: -A exp(mean_t log r_t clipped to [-eps_low,        GMPO (2507.20673), verl's geo_mean:
-                 eps_high] on A's side)                                   eps in log space (paper: 0.4), with
-                                                                          --loss-agg seq-mean-token-mean
-                 vespo: -sg(w^k e^(lam (1 - w))) A log pi, w = prod_t r_t VESPO (2602.10693), TRL's defaults:
-                 (k, lam) = (2, 3) where A >= 0, (3, 2) where A < 0
-                 clip_cov: clip, and no loss at cov_ratio of the tokens, Clip-Cov (2505.22617 §4.3), as verl:
-                 drawn among the unclipped of cov_low < cov < cov_high    over a micro-batch; cov =
-                 kl_cov: -r A + cov_kl_coef |log r| at the cov_ratio of   (A - mean A)(log pi - mean log pi)
-                 the tokens of largest cov, -r A elsewhere                KL-Cov (same), as verl
-      dual_clip  c: where A < 0 the loss is at most c |A|                 Dual-clip PPO (1912.09729);
-                 if c >= 1 + eps_high, the same as r clamped at c there   INTELLECT-2, verl's clip_ratio_c"""
+                 gmpo: -A exp(mean_t log r_t clipped on A's side),        GMPO (2507.20673), verl's geo_mean,
+                 eps in log space (the paper's 0.4)                       with seq-mean-token-mean
+                 vespo: -sg(w^k e^(lam (1-w))) A log pi, w = prod_t r_t   VESPO (2602.10693), TRL's k, lam
+                 clip_cov: clip, no loss at cov_ratio of the tokens,      Clip-Cov (2505.22617 §4.3), as
+                 drawn among the unclipped of cov_low < cov < cov_high    verl, per micro-batch: cov =
+                 kl_cov: -r A, + cov_kl_coef |log r| at the cov_ratio     (A - mean A)(log pi - mean log pi)
+                 of the tokens of largest cov                             KL-Cov (same)
+      dual_clip  c: where A < 0 the loss is at most c |A|; if c >=        Dual-clip PPO (1912.09729),
+                 1 + eps_high, the same as r clamped at c there           verl's clip_ratio_c"""
     log_ratio = torch.where(mask != 0, logp - old_logp, 0)  # (N, C)
     log_r = log_ratio
     words = {"r": "π_θ/π_old per token"}
@@ -922,12 +919,11 @@ def aggregate_loss(loss, mask, mode: str, max_len: int, n_seqs=None, n_tokens=No
     return per_seq.sum() / (max(n_seqs, 1) * max_len), f"Σ_i Σ_t ℓ_i,t / (n_seq·{max_len})"
 
 def token_objective(logp, entropy, b: dict, a: Args):
-    """A micro-batch's per-token loss ℓ (N, C) before aggregation, its terms in --dry-run's order, each beside
-    its words; its diagnostics (N, C) by name, each logged as its mean over the trained tokens where finite;
-    the words. logp, entropy (N, C): the policy's, with gradient. b: the micro-batch's rows of the step, adv
-    (N, 1), the loss mask, sampler_logp and what a term reads of the step inputs (step_inputs computes an
-    input because a term reads it). FORKER: a new term or token weight is a line here and its words the next,
-    a metric a line in `diag`; equal-reward groups are skipped only where ∇ℓ = 0 at A = 0 (probe)."""
+    """A micro-batch's per-token loss ℓ (N, C) before aggregation, its terms in --dry-run's order, each
+    beside its words; diagnostics (N, C) by name, logged as means over the trained tokens where finite.
+    logp, entropy (N, C): the policy's, with gradient; b: the micro-batch's rows (adv, loss mask,
+    sampler_logp) and the step inputs a term reads (step_inputs computes them because it does). FORKER: a
+    new term or token weight is a line here and its words the next; a metric, a line in `diag`."""
     old_logp = logp.detach()  # one update a step: ratio 1, no extra forward
     words = {"π_old": "sg(π_θ): one update a step, so r = 1"}
     if a.num_iterations > 1:  # teacher rows too: π_old is the policy's (advantage-weighted imitation)
@@ -1047,7 +1043,8 @@ def train_step(model, ref_model, opt, groups: list[dict], a: Args) -> dict:
         total = {k: sum(d.get(k, 0.0) for d in every) for k in set().union(*every)}
         norm = torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm or math.inf).item()
         if not math.isfinite(norm + total["loss"]):  # not applied (the step's earlier updates were)
-            return {**stats, "train/not_finite": 1.0, "train/updates": update, "train/rows": len(rows)}
+            rows_trained = total["train/rows"]  # every rank's
+            return {**stats, "train/not_finite": 1.0, "train/updates": update, "train/rows": rows_trained}
         out["grad/norm"] = norm
         opt.step()
         opt.zero_grad(set_to_none=True)
