@@ -78,8 +78,7 @@ class Args:
     algo: str = flag("grpo", "preset: sets defaults (PRESETS); explicit flags win", tuple(PRESETS))  # run
     model: str = flag("Qwen/Qwen2.5-0.5B-Instruct", "hub id or local directory")
     output_dir: str = flag("grpo_out", "checkpoint/ and metrics.jsonl go here")
-    resume: str = flag("", "continue the run saved in --output-dir, with its flags; auto: if it saved one, "
-                       "else start it", ("on", "auto"))
+    resume: str = flag("", "continue the run in --output-dir (auto: if it saved one, else start)", ("on", "auto"))
     overwrite: bool = flag(False, "start over in an --output-dir that holds a run, deleting it")
     max_steps: int = flag(200, "steps: a rollout, then num_iterations updates on it", bounds="(0, inf)")
     seed: int = flag(0, "seeds the data order, sampling (+1000 * rank) and the LoRA init", bounds="[0, 2e18]")
@@ -944,10 +943,9 @@ def token_objective(logp, entropy, b: dict, a: Args):
     if a.tis:
         log_w = torch.where(known, old_logp - b["sampler_logp"], 0)
         w = torch.exp(log_w if a.tis_mode.startswith("token") else log_w.sum(-1, keepdim=True))
-        cut = w.clamp(a.tis_min, a.tis)
-        if a.tis_mode.endswith("mask"):
-            cut = torch.where(cut == w, w, 0)
-        loss = loss * torch.where(known, cut, 1)  # teacher rows (no sampler): 1
+        inside = (w >= a.tis_min) & (w <= a.tis)
+        w = torch.where(inside, w, 0) if a.tis_mode.endswith("mask") else w.clamp(a.tis_min, a.tis)
+        loss = loss * torch.where(known, w, 1)  # teacher rows (no sampler): 1
         words["ℓ"] = f"({words['ℓ']})·{a.tis_mode}(π_old/π_sampler, [{a.tis_min:g}, {a.tis:g}])"
     diag["kl"] = torch.zeros_like(logp)  # k3's value, KL(π || ref), whatever --kl trains; 0 with no reference
     if a.beta:  # KL only where the mask is on: past EOS, exp(ref - logp) can overflow, its gradient be NaN
