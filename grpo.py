@@ -78,7 +78,7 @@ class Args:
     algo: str = flag("grpo", "preset: sets defaults (PRESETS); explicit flags win", tuple(PRESETS))  # run
     model: str = flag("Qwen/Qwen2.5-0.5B-Instruct", "hub id or local directory")
     output_dir: str = flag("grpo_out", "checkpoint/ and metrics.jsonl go here")
-    resume: str = flag("", "continue the run in --output-dir (auto: if it saved one, else start)", ("on", "auto"))
+    resume: str = flag("", "continue the run in --output-dir (auto: if it has one)", ("on", "auto"))
     overwrite: bool = flag(False, "start over in an --output-dir that holds a run, deleting it")
     max_steps: int = flag(200, "steps: a rollout, then num_iterations updates on it", bounds="(0, inf)")
     seed: int = flag(0, "seeds the data order, sampling (+1000 * rank) and the LoRA init", bounds="[0, 2e18]")
