@@ -1235,11 +1235,7 @@ def lock_output(out: str, wait: bool = False):
         if not wait:
             fail(f"--output-dir {out!r} is in use by another run: wait for it, or stop it")
         print(f"grpo: --output-dir {out!r} is in use by another run: waiting for it to end", file=sys.stderr)
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX)
-        except KeyboardInterrupt:
-            print("grpo: stopped while waiting: nothing read, nothing written", file=sys.stderr)
-            raise SystemExit(128 + signal.SIGINT) from None
+        fcntl.flock(f, fcntl.LOCK_EX)  # (Ctrl-C meanwhile: main says so, in one line)
     LOCKS[path] = f
     return f
 
@@ -1386,12 +1382,12 @@ def describe(a: Args) -> str:
     return "\n".join(lines + ["", textwrap.fill(flags, 100)])
 
 def main(argv=None):
-    a = parse_args(argv)
-    if a.dry_run:
-        return print(describe(a))
     try:
+        a = parse_args(argv)
+        if a.dry_run:
+            return print(describe(a))
         run = start(a)
-    except KeyboardInterrupt:  # Ctrl-C while it starts: nothing to save
+    except KeyboardInterrupt:  # Ctrl-C while it starts, or waits for the lock: nothing to save
         print("grpo: stopped while starting: nothing saved", file=sys.stderr)
         raise SystemExit(128 + signal.SIGINT)
     on_signal(run)
