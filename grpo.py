@@ -221,9 +221,8 @@ def within(value, bounds: str) -> bool:  # bounds: an interval as written, "[0, 
     return above and (value <= high if bounds[-1] == "]" else value < high)
 
 def check_args(a: Args):
-    """Flags that would misbehave silently, or fail late, fail here: the first found, with what to change.
-    A number flag outside the bounds it declares (unless it is its default, "off"), then checks between
-    flags."""
+    """Flags that would misbehave silently, or fail late, fail here, the first found with what to change: a
+    number flag outside the bounds it declares (unless it is its default, "off"), then checks among flags."""
     for f in dataclasses.fields(a):
         value = getattr(a, f.name)
         if type(value) in (int, float) and value != f.default and not within(value, f.metadata["bounds"]):
@@ -426,8 +425,7 @@ def load_model(a: Args, device: torch.device, resume: str | None = None):
     return model.train(), tok, ref_model  # (from_pretrained gives eval mode: no checkpointing, no dropout)
 
 def use_bf16(a: Args, device: torch.device) -> bool:
-    auto = device.type == "cuda" and torch.cuda.is_bf16_supported()
-    return a.dtype == "bf16" or a.dtype == "auto" and auto
+    return a.dtype == "bf16" or a.dtype == "auto" and device.type == "cuda" and torch.cuda.is_bf16_supported()
 
 def autocast(a: Args, device: torch.device):
     return torch.autocast(device.type, torch.bfloat16, enabled=a.lora_r == 0 and use_bf16(a, device))
@@ -462,11 +460,10 @@ def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False
     sampler's log-prob of each token (NaN when greedy). sampler: compile_sampler's one shape for all calls."""
     enc = tok(texts, return_tensors="pt", padding="max_length" if sampler else True,
               max_length=sampler and sampler["prompt_len"], add_special_tokens=not tok.chat_template)
-    ids = enc.input_ids.repeat_interleave(n, 0).to(model.device)  # (rows, P)
-    attn = enc.attention_mask.repeat_interleave(n, 0).to(model.device)
-    extra = -len(ids) % sampler["rows"] if sampler else 0  # rows added for the one shape, dropped after
-    ids = torch.cat([ids, ids[-1:].expand(extra, -1)])
-    attn = torch.cat([attn, attn[-1:].expand(extra, -1)])
+    extra = -len(texts) * n % sampler["rows"] if sampler else 0  # rows added for the one shape, dropped after
+    rows = [i for i in range(len(texts)) for _ in range(n)] + [len(texts) - 1] * extra  # each prompt n times
+    ids = enc.input_ids[rows].to(model.device)  # (rows, P)
+    attn = enc.attention_mask[rows].to(model.device)
     steps, last, finite = [], [], []  # one step's (rows, V) log-probs are kept at a time, never (rows, T, V)
     def record(input_ids, scores):  # before each draw, on raw logits (ahead of temperature and top-k/p)
         if last:  # input_ids ends with the previous draw
@@ -1075,10 +1072,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 def evaluate(model, tok, examples: list[dict], a: Args, rank: int = 0, world: int = 1, sampler=None) -> dict:
     """Greedy accuracy on held-out prompts, split over ranks; with --eval-samples k, also mean@k and pass@j
     of k samples a prompt, drawn from a random stream of their own (the run's is untouched)."""
-    rows = a.prompts_per_step // world * a.num_generations  # a rollout's rows: the compiled sampler's shape
     def n_correct(n: int, **kw) -> list[int]:  # correct completions of n a prompt, every rank's prompts
         mine = examples[rank::world]
-        per_call = max(1, rows // n)
+        per_call = max(1, a.prompts_per_step // world * a.num_generations // n)  # the compiled sampler's rows
         counts = []
         for i in range(0, len(mine), per_call):
             chunk = mine[i:i + per_call]
@@ -1123,18 +1119,16 @@ def last_checkpoint(output_dir: str, resume: bool = False) -> str | None:
     paths = [os.path.join(output_dir, "checkpoint"), os.path.join(output_dir, "checkpoint.old")]
     bad = [f"{path}/{damaged(path)}" for path in paths if os.path.isdir(path) and damaged(path)]
     ckpt = next((path for path in paths if os.path.isdir(path) and not damaged(path)), None)
-    if resume and bad and ckpt is None:
-        fail(f"--resume: {bad[0]} is missing or cut, and no other checkpoint is whole: restore it")
     if resume and ckpt is None:  # (a run that stopped before its first save leaves none)
-        fail(f"--resume: no checkpoint in {output_dir!r}")
+        fail(f"--resume: {bad[0]} is missing or cut, and no other checkpoint is whole: restore it" if bad
+             else f"--resume: no checkpoint in {output_dir!r}")
     if resume and bad and ckpt != paths[0]:
         print(f"grpo: {bad[0]} is missing or cut: resuming from {ckpt}", file=sys.stderr)
     return ckpt
 
 def fingerprint(path: str, spread: bool = False, span: int = 1 << 26):
     """What --resume compares: a file's size and CRC-32 of its first and last `span` bytes (whole to 128 MiB);
-    of a model dir, config.json and each weight file, a larger one by 1,024 reads of 4 KiB spread evenly over
-    it (a fine-tune changes whole tensors: any of more than 1/1,024 of its file is read in part)."""
+    of a model dir, config.json and each weight file, one over 2 spans by 1,024 evenly spaced 4 KiB reads."""
     if os.path.isdir(path):
         return [fingerprint(os.path.join(path, name), True, span) for name in sorted(os.listdir(path))
                 if name == "config.json" or name.endswith((".safetensors", ".bin"))]
@@ -1142,7 +1136,7 @@ def fingerprint(path: str, spread: bool = False, span: int = 1 << 26):
         return path  # a hub id, or ''
     size = os.path.getsize(path)
     with open(path, "rb") as f:
-        if spread and size > 2 * span:
+        if spread and size > 2 * span:  # a fine-tune changes whole tensors: any over 1/1,024 is read in part
             crc = zlib.crc32(b"%d" % size)
             for i in range(1024):
                 f.seek(i * size // 1024)
@@ -1216,10 +1210,8 @@ def lock_output(out: str, wait: bool = False):
     """One run per output dir: a lock on its .lock (None while the dir is not there). wait (--resume): for a
     run still in it, as a requeued job meets its old one saving; else refused."""
     path = os.path.join(os.path.abspath(out), ".lock")
-    if path in LOCKS:
-        return LOCKS[path]
     try:
-        f = open(path, "a")
+        f = LOCKS.get(path) or open(path, "a")  # held since parse_args or start: locked again, a no-op
     except OSError:  # no dir yet, or not one we can write (check_output_dir says so)
         return None
     try:
@@ -1228,11 +1220,7 @@ def lock_output(out: str, wait: bool = False):
         if not wait:
             fail(f"--output-dir {out!r} is in use by another run: wait for it, or stop it")
         print(f"grpo: --output-dir {out!r} is in use by another run: waiting for it to end", file=sys.stderr)
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX)
-        except KeyboardInterrupt:
-            print("grpo: stopped while waiting: nothing read, nothing written", file=sys.stderr)
-            raise SystemExit(128 + signal.SIGINT) from None
+        fcntl.flock(f, fcntl.LOCK_EX)  # (Ctrl-C meanwhile: main says so, in one line)
     LOCKS[path] = f
     return f
 
@@ -1318,20 +1306,18 @@ def open_output(run, a: Args):  # rank 0, once every check has passed: only now 
         import wandb
         wandb.init(project=a.wandb_project, config=dataclasses.asdict(a))
 
-GAP_LIMIT = 0.25  # mean |sampler - trainer| log-prob gap that stops a run (bf16 rounding: a few hundredths)
 FLAT_STEPS = 5  # steps in a row whose groups all had equal rewards (run.flat: no reward signal) before a note
 
 def end_step(run, a: Args, step: int, m: dict, generated: list[dict]) -> bool:
-    if m.get("sampler/logp_gap", 0) > GAP_LIMIT:
+    if m.get("sampler/logp_gap", 0) > 0.25:  # the mean |sampler - trainer| log-prob gap
         fail(f"the sampler's log-probs are {m['sampler/logp_gap']:.3f} nat from the trainer's on average "
              f"(bf16 noise is a few hundredths): stale weights or a broken KV cache; --compile-generate off")
     run.bad_steps = run.bad_steps + 1 if "train/not_finite" in m else 0
     if run.bad_steps == 3:
         fail("3 steps in a row had a loss or gradient that was not finite; those updates were not applied: "
              "lower --learning-rate, or check the rewards with --log-samples")
-    rng = {"torch": torch.get_rng_state(), "cuda": None, "python": random.getstate()}  # all a step draws from
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state()
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    rng = {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate()}  # all a step draws from
     drawn = run.done["prompts_drawn"] + m["groups/gen_rounds"] * a.prompts_per_step
     run.done = {"step": step, "prompts_drawn": drawn, "rng": all_gather(rng)}
     stopping = bool(all_sum(torch.tensor([float(run.stop)], device=run.device)).item())
@@ -1381,12 +1367,12 @@ def describe(a: Args) -> str:
     return "\n".join(lines + ["", textwrap.fill(flags, 100)])
 
 def main(argv=None):
-    a = parse_args(argv)
-    if a.dry_run:
-        return print(describe(a))
     try:
+        a = parse_args(argv)
+        if a.dry_run:
+            return print(describe(a))
         run = start(a)
-    except KeyboardInterrupt:  # Ctrl-C while it starts: nothing to save
+    except KeyboardInterrupt:  # Ctrl-C while it starts, or waits for the lock: nothing to save
         print("grpo: stopped while starting: nothing saved", file=sys.stderr)
         raise SystemExit(128 + signal.SIGINT)
     on_signal(run)
