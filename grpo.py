@@ -960,9 +960,9 @@ def token_objective(logp, entropy, b: dict, a: Args):
 # ----------------------------------------------------------------------------- the step
 def probe(a: Args):
     """The step's terms on made-up numbers (a group of G rows of 3 tokens, off-policy: r != 1), no model:
-    the step inputs they read (computed for a step then, and only then), whether ∇ℓ = 0 where A = 0 (then
-    skipping an equal-reward group's forward/backward changes nothing), and the words each term wrote for
-    --dry-run."""
+    the step inputs they read (computed for a step then, and only then), whether equal-reward groups are
+    skipped (--skip-zero-variance, and ∇ℓ = 0 where A = 0: skipping them changes nothing), and the words each
+    term wrote for --dry-run."""
     G = a.num_generations + a.teacher_per_group
     gen = torch.Generator().manual_seed(0)
     def made_up():  # (G, 3) log-probs: any step input a term reads
@@ -976,8 +976,8 @@ def probe(a: Args):
     entropy = torch.rand(G, 3, generator=gen).requires_grad_()
     loss, _, more = token_objective(logp, entropy, step, a)
     loss.sum().backward()
-    flat = not logp.grad.any() and (entropy.grad is None or not entropy.grad.any())
-    return set(step) - set(rows) - {"adv"}, flat, {**words, **more}
+    skip = a.skip_zero_variance and not logp.grad.any() and (entropy.grad is None or not entropy.grad.any())
+    return set(step) - set(rows) - {"adv"}, skip, {**words, **more}
 
 def prepare(model, ref_model, groups: list[dict], a: Args):
     """The step before its first update: this rank's rows collated, with the inputs its terms read;
@@ -986,7 +986,7 @@ def prepare(model, ref_model, groups: list[dict], a: Args):
     normalisers."""
     device = next(model.parameters()).device
     batch = collate(groups, model.generation_config.pad_token_id, device)
-    reads, flat_ok, _ = probe(a)
+    reads, skip_flat, _ = probe(a)
     step_inputs(model, ref_model, batch, reads, a)
     step, mine = gather_step(batch)
     adv, row_adv, mask, flat, stats, _ = step_terms(step, a)
@@ -995,7 +995,7 @@ def prepare(model, ref_model, groups: list[dict], a: Args):
     batch.update(adv=adv[mine, :C].to(device), mask=mask[mine, :C].to(device))  # (N, 1) or (N, C); (N, C)
     for g, group_adv in zip(groups, row_adv[mine].split([len(g["completions"]) for g in groups])):
         g["adv"] = group_adv
-    skip = flat[mine].to(device) & (a.skip_zero_variance and flat_ok)
+    skip = flat[mine].to(device) & skip_flat
     rows = ((batch["mask"].sum(-1) > 0) & ~skip).nonzero()[:, 0].tolist()
     return batch, rows, n_seqs, n_tokens, stats
 
@@ -1350,11 +1350,11 @@ def end_step(run, a: Args, step: int, m: dict, generated: list[dict]) -> bool:
 def describe(a: Args) -> str:
     """--dry-run: the loss the flags optimise, in the words each term writes beside its math (probe: made-up
     numbers, no model, no data), then every flag."""
-    _, flat_ok, w = probe(a)
+    _, skip_flat, w = probe(a)
     G = a.num_generations + a.teacher_per_group
     shaping = score([], [], [], [], a)[2]  # what is added to the rewards' sum
     reward = " + ".join(filter(None, [a.rewards.replace(",", " + "), a.reward_fn])) + shaping
-    skipped = "skipped: ∇ℓ = 0 there" if a.skip_zero_variance and flat_ok else "trained"
+    skipped = "skipped: ∇ℓ = 0 there" if skip_flat else "trained"
     norm = aggregate_loss(torch.ones(1, 1), torch.ones(1, 1), a.loss_agg, a.max_new_tokens)[1]
     lines = [f"loss = {norm},  Σ_t over m_i,t = {w['m']}", f"  ℓ_i,t = {w['ℓ']},  r = {w['r']}",
              f"  π_old = {w['π_old']}", f"  A_i = {w['A']}", f"  R_i = {reward}{w['R']}",

@@ -858,8 +858,9 @@ def test_probe_says_what_each_variant_reads_and_whether_flat_groups_may_be_skipp
     """probe(args): the step inputs a term reads (old_entropy for the entropy quantile, old_logp and ref_logp for
     the KL in the reward, old_logp for several updates, ref_logp for beta), none at one update without beta, and
     whether the gradient at A = 0 is 0 (then an equal-reward group's forward/backward is skipped)."""
-    got, flat_ok, _ = grpo.probe(grpo.Args(**kw))
-    assert got == reads and flat_ok == skip
+    got, skipped, _ = grpo.probe(grpo.Args(**kw))
+    assert got == reads and skipped == skip
+    assert not grpo.probe(grpo.Args(**kw, skip_zero_variance=False))[1]  # --no-skip-zero-variance: never
 
 
 def test_evaluate_reports_greedy_mean_and_pass_at_k(loaded, monkeypatch):
