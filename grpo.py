@@ -706,7 +706,8 @@ def policy_logps(model, batch: dict, idx: list[int], a: Args):  # -> logp, entro
 def step_inputs(model, ref_model, batch: dict, names: set, a: Args):
     """batch[name] (N, C) for each step input a term reads (probe), without grad, in micro-batches:
     old_logp and old_entropy by the policy before the step's first update, ref_logp by the reference: the
-    policy with its LoRA adapter off (no second copy), or full fine-tuning's frozen copy."""
+    policy with its LoRA adapter off (no second copy), or full fine-tuning's frozen copy. FORKER: another
+    input (a second reference, a value head's output) is a branch here; a term then reads it by its name."""
     N = len(batch["mask"])
     chunks = [list(range(i, min(i + a.micro_batch_size, N))) for i in range(0, N, a.micro_batch_size)]
     with torch.no_grad():
