@@ -114,8 +114,8 @@ class Args:
     dynamic_sampling: bool = flag(False, "DAPO §3.2: keep groups of unequal rewards, sample again to refill")
     max_gen_rounds: int = flag(4, "sampling rounds a step at most (dynamic sampling)", bounds="(0, inf)")
     top_k_groups: int = flag(0, "keep the k groups with the largest reward std (0: off)")
-    skip_zero_variance: bool = flag(True, "no forward/backward for equal-reward groups, where ∇ = 0 at A = 0")
-    top_entropy_quantile: float = flag(1.0, "ρ: policy loss on the top-ρ tokens by entropy", bounds="[0, 1]")
+    skip_zero_variance: bool = flag(True, "no forward/backward of equal-reward groups, if it changes nothing")
+    top_entropy_quantile: float = flag(1.0, "ρ: policy loss on the top ρ of tokens by H", bounds="[0, 1]")
     loss_agg: str = flag("seq-mean-token-mean", "token losses to one number", LOSS_AGGS)  # loss
     eps_low: float = flag(0.2, "ratio clipped below at 1 - eps_low", bounds="[0, 1)")
     eps_high: float = flag(0.2, "ratio clipped above at 1 + eps_high (DAPO clip-higher: 0.28)")
@@ -737,9 +737,9 @@ def gather_step(batch: dict) -> tuple[dict, torch.Tensor]:
 
 # ----------------------------------------------------------------------------- advantage and loss mask
 def group_advantages(rewards: torch.Tensor, scale: str = "std", eps: float = 1e-6):
-    """rewards (B, G) -> adv (B, G) and --dry-run's words. GRPO (2402.03300) §4.1.2: (R - mean) / (std + eps),
-    std unbiased (torch's default, as TRL and verl). scale='none', Dr. GRPO (2503.20783) §3.1: R - mean.
-    scale='batch', Lite PPO (2508.08221): the group's mean, the std of the step's rewards (TRL's "batch")."""
+    """rewards (B, G) -> adv (B, G) and --dry-run's words. GRPO (2402.03300) §4.1.2: (R - mean) / (std
+    + eps), std unbiased (torch's default, as TRL and verl). scale='none', Dr. GRPO (2503.20783) §3.1:
+    R - mean. scale='batch', Lite PPO (2508.08221): the group's mean, the step's std (TRL's "batch")."""
     adv = rewards - rewards.mean(1, keepdim=True)
     if scale == "std":
         return adv / (rewards.std(1, keepdim=True) + eps), f"(R_i - mean_g(R)) / (std_g(R) + {eps:g})"
@@ -817,10 +817,7 @@ def policy_loss(logp, old_logp, adv, mask, a: Args):
                  gmpo: -A exp(mean_t log r_t clipped on A's side),        GMPO (2507.20673), verl's geo_mean,
                  eps in log space (the paper's 0.4)                       with seq-mean-token-mean
                  vespo: -sg(w^k e^(lam (1-w))) A log pi, w = prod_t r_t   VESPO (2602.10693), TRL's k, lam
-                 clip_cov: clip, no loss at cov_ratio of the tokens,      Clip-Cov (2505.22617 §4.3), as
-                 drawn among the unclipped of cov_low < cov < cov_high    verl, per micro-batch: cov =
-                 kl_cov: -r A, + cov_kl_coef |log r| at the cov_ratio     (A - mean A)(log pi - mean log pi)
-                 of the tokens of largest cov                             KL-Cov (same)
+                 clip_cov, kl_cov: cov_loss                               Clip-Cov, KL-Cov (2505.22617 §4.3)
       dual_clip  c: where A < 0 the loss is at most c |A|; if c >=        Dual-clip PPO (1912.09729),
                  1 + eps_high, the same as r clamped at c there           verl's clip_ratio_c"""
     log_ratio = torch.where(mask != 0, logp - old_logp, 0)  # (N, C)
@@ -834,10 +831,6 @@ def policy_loss(logp, old_logp, adv, mask, a: Args):
     clip = f"clip(r, 1-{a.eps_low:g}, 1+{a.eps_high:g})"
     diag = {"loss/ratio": ratio.detach(), "loss/clipfrac_low": (ratio < 1 - a.eps_low) & (adv < 0),
             "loss/clipfrac_high": (ratio > 1 + a.eps_high) & (adv > 0)}
-    if a.surrogate in ("clip_cov", "kl_cov"):  # the micro-batch's tokens by their covariance, as verl's
-        m = mask != 0
-        cov = (adv - adv.expand_as(logp)[m].mean()) * (logp - logp[m].mean()).detach()  # (N, C)
-        n = max(1, int(a.cov_ratio * m.sum()))  # tokens selected
     if a.surrogate == "cispo":
         loss = -clipped.detach() * adv * logp
         words["ℓ"] = f"-sg({clip})·A_i·log π_θ"
@@ -851,18 +844,9 @@ def policy_loss(logp, old_logp, adv, mask, a: Args):
         k = torch.where(adv >= 0, 2.0, 3.0)
         lam = torch.where(adv >= 0, 3.0, 2.0)
         loss = -torch.exp(lam + k * log_w - lam * log_w.exp()) * adv * logp  # w = e^log_w, at most e^20
-        words["ℓ"] = "-sg(w^k·e^(λ(1-w)))·A_i·log π_θ, w = Π_t r_t, (k, λ) = (2, 3) if A_i ≥ 0 else (3, 2)"
-    elif a.surrogate == "clip_cov":
-        loss = -torch.min(ratio * adv, clipped * adv)
-        free = (m & (loss == -ratio * adv) & (cov > a.cov_low) & (cov < a.cov_high)).flatten().nonzero()[:, 0]
-        loss = loss.flatten().index_fill(0, free[torch.randperm(len(free))[:n]], 0).view_as(loss)
-        words["ℓ"] = (f"-min(r·A_i, {clip}·A_i), 0 at {a.cov_ratio:g} of the tokens, drawn where "
-                      f"{a.cov_low:g} < cov(A, log π) < {a.cov_high:g}")
-    elif a.surrogate == "kl_cov":
-        top = cov.where(m, -math.inf).flatten().topk(n).indices
-        picked = torch.zeros_like(logp).flatten().index_fill(0, top, 1).view_as(logp)
-        loss = -ratio * adv + a.cov_kl_coef * picked * log_ratio.abs()
-        words["ℓ"] = f"-r·A_i + {a.cov_kl_coef:g}·|log r| at the top {a.cov_ratio:g} of tokens by cov(A, π)"
+        words["ℓ"] = "-sg(w^k e^(λ(1-w)))·A_i·log π_θ, w = Π_t r_t, k, λ = 2, 3 (A_i ≥ 0) or 3, 2"
+    elif a.surrogate in ("clip_cov", "kl_cov"):
+        loss, words["ℓ"] = cov_loss(ratio, clipped, log_ratio, logp, adv, mask, a)
     elif a.surrogate == "sapo":
         tau = torch.where(adv > 0, a.sapo_tau_pos, a.sapo_tau_neg)
         loss = -(4 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv
@@ -875,6 +859,26 @@ def policy_loss(logp, old_logp, adv, mask, a: Args):
         loss = torch.where(adv < 0, torch.minimum(loss, -a.dual_clip * adv), loss)
         words["ℓ"] = f"min({words['ℓ']}, {a.dual_clip:g}·|A_i| if A_i < 0)"
     return loss, diag, words
+
+def cov_loss(ratio, clipped, log_ratio, logp, adv, mask, a: Args):
+    """Clip-Cov and KL-Cov (2505.22617 §4.3), as verl's, over a micro-batch's tokens: per token, cov =
+    (A - mean A)(log pi - mean log pi), and n = max(1, cov_ratio x tokens) are selected; the loss, its words.
+      clip_cov  the clip loss, and none at n tokens drawn among the unclipped of cov_low < cov < cov_high
+      kl_cov    -r A, and + cov_kl_coef |log r| at the n tokens of largest cov"""
+    m = mask != 0
+    cov = (adv - adv.expand_as(logp)[m].mean()) * (logp - logp[m].mean()).detach()  # (N, C)
+    n = max(1, int(a.cov_ratio * m.sum()))
+    if a.surrogate == "clip_cov":
+        loss = -torch.min(ratio * adv, clipped * adv)
+        free = (m & (loss == -ratio * adv) & (cov > a.cov_low) & (cov < a.cov_high)).flatten().nonzero()[:, 0]
+        loss = loss.flatten().index_fill(0, free[torch.randperm(len(free))[:n]], 0).view_as(loss)
+        clip = f"clip(r, 1-{a.eps_low:g}, 1+{a.eps_high:g})"
+        return loss, (f"-min(r·A_i, {clip}·A_i), 0 at {a.cov_ratio:g} of the tokens, drawn where "
+                      f"{a.cov_low:g} < cov(A, log π) < {a.cov_high:g}")
+    top = cov.where(m, -math.inf).flatten().topk(n).indices
+    picked = torch.zeros_like(logp).flatten().index_fill(0, top, 1).view_as(logp)
+    words = f"-r·A_i + {a.cov_kl_coef:g}·|log r| at the top {a.cov_ratio:g} of tokens by cov(A, log π)"
+    return -ratio * adv + a.cov_kl_coef * picked * log_ratio.abs(), words
 
 def kl_penalty(logp, ref_logp, kind: str = "k3", old_logp=None):
     """Per-token KL (Schulman, "Approximating KL divergence", 2020), d = log ref - log pi; gradients under pi:
@@ -910,7 +914,8 @@ def aggregate_loss(loss, mask, mode: str, max_len: int, n_seqs=None, n_tokens=No
     if mode == "token-mean":
         return per_seq.sum() / max(n_tokens, 1), "Σ_i Σ_t ℓ_i,t / Σ_i |o_i|"
     if mode == "seq-mean-token-mean":
-        return (per_seq / mask.sum(-1).clamp(min=1)).sum() / max(n_seqs, 1), "Σ_i (Σ_t ℓ_i,t / |o_i|) / n_seq"
+        per_seq = per_seq / mask.sum(-1).clamp(min=1)
+        return per_seq.sum() / max(n_seqs, 1), "Σ_i (Σ_t ℓ_i,t / |o_i|) / n_seq"
     if mode == "seq-mean-token-sum":
         return per_seq.sum() / max(n_seqs, 1), "Σ_i Σ_t ℓ_i,t / n_seq"
     return per_seq.sum() / (max(n_seqs, 1) * max_len), f"Σ_i Σ_t ℓ_i,t / (n_seq·{max_len})"
@@ -945,7 +950,7 @@ def token_objective(logp, entropy, b: dict, a: Args):
         w = torch.where(inside, w, 0) if a.tis_mode.endswith("mask") else w.clamp(a.tis_min, a.tis)
         loss = loss * torch.where(known, w, 1)  # teacher rows (no sampler): 1
         words["ℓ"] = f"({words['ℓ']})·{a.tis_mode}(π_old/π_sampler, [{a.tis_min:g}, {a.tis:g}])"
-    diag["kl"] = torch.zeros_like(logp)  # k3's value, KL(π || ref), whatever --kl trains; 0 with no reference
+    diag["kl"] = torch.zeros_like(logp)  # k3's value, KL(pi || ref), whatever --kl trains; 0, no reference
     if a.beta:  # KL only where the mask is on: past EOS, exp(ref - logp) can overflow, its gradient be NaN
         ref = torch.where(b["mask"] > 0, b["ref_logp"], logp.detach())
         loss = loss + a.beta * kl_penalty(logp, ref, a.kl, old_logp)
@@ -960,10 +965,10 @@ def token_objective(logp, entropy, b: dict, a: Args):
 
 # ----------------------------------------------------------------------------- the step
 def probe(a: Args):
-    """The step's terms on made-up numbers (a group of G rows of 3 tokens, off-policy: r != 1), no model:
-    the step inputs they read (computed for a step then, and only then), whether equal-reward groups are
-    skipped (--skip-zero-variance, and ∇ℓ = 0 where A = 0: skipping them changes nothing), and the words each
-    term wrote for --dry-run."""
+    """The step's terms on made-up numbers (a group of G rows of 3 tokens, off-policy: r != 1), no model: the
+    step inputs they read (computed for a step then, and only then), whether equal-reward groups are skipped
+    (--skip-zero-variance, and ∇ℓ = 0 where A = 0: skipping them changes nothing), and the words each term
+    wrote for --dry-run."""
     G = a.num_generations + a.teacher_per_group
     gen = torch.Generator().manual_seed(0)
     def made_up():  # (G, 3) log-probs: any step input a term reads
@@ -1359,7 +1364,7 @@ def describe(a: Args) -> str:
     norm = aggregate_loss(torch.ones(1, 1), torch.ones(1, 1), a.loss_agg, a.max_new_tokens)[1]
     lines = [f"loss = {norm},  Σ_t over m_i,t = {w['m']}", f"  ℓ_i,t = {w['ℓ']},  r = {w['r']}",
              f"  π_old = {w['π_old']}", f"  A_i = {w['A']}", f"  R_i = {reward}{w['R']}",
-             f"  o_1..{G} ~ π_old(·|q), {a.teacher_per_group} of them from the pool (R frozen), temperature "
+             f"  o_1..{G} ~ π_old(·|q), {a.teacher_per_group} of them from the pool (R frozen), temp. "
              f"{a.temperature:g}, top-p {a.top_p:g}, top-k {a.top_k}, |o_i| ≤ {a.max_new_tokens}; B = "
              f"{a.prompts_per_step} prompts q a step",
              f"  groups trained: {select_groups(torch.arange(G)[None].float(), a)[2]}; those of equal "
