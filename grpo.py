@@ -765,7 +765,7 @@ def step_terms(s: dict, a: Args):
         kl = torch.where(mask > 0, s["old_logp"] - s["ref_logp"], 0).sum(-1)  # (M,)
         R = R - a.kl_in_reward * kl
         stats["kl/in_reward"] = kl.mean().item()
-        words["R"] = f" - {a.kl_in_reward:g}·Σ_t log π_old/π_ref"
+        words["R"] += f" - {a.kl_in_reward:g}·Σ_t log π_old/π_ref"
     rewards = R.view(-1, G)  # (groups, G)
     flat = (rewards.max(1).values == rewards.min(1).values).repeat_interleave(G)  # (M,): A = 0 in the group
     adv, words["A"] = group_advantages(rewards, a.scale, a.std_eps)

@@ -1404,7 +1404,7 @@ def switched_on(f, v):
     if not isinstance(v, (int, float)):
         return [c for c in f.metadata["choices"] if c != v] or [v + "x"]
     low = float(f.metadata["bounds"][1:].split(",")[0])
-    inside = [x for x in (v + 1, v / 2, low + 1, low + 0.5) if x != v and grpo.within(x, f.metadata["bounds"])]
+    inside = [x for x in (v + 1, v / 2, low + 1, low + 0.5, 0.5) if x != v and grpo.within(x, f.metadata["bounds"])]
     return [type(v)(inside[0])]
 
 
