@@ -566,7 +566,8 @@ def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns
 def select_groups(rewards: torch.Tensor, a: Args) -> tuple[torch.Tensor, bool, str]:
     """rewards (n, G): every rank's groups so far, in sampling order -> the indices of those to train, whether
     B were found, and --dry-run's words. Dynamic sampling (DAPO §3.2) keeps groups whose rewards differ, and
-    rollout samples again until B are kept or max_gen_rounds; then the first B."""
+    rollout samples again until B are kept or max_gen_rounds; then the first B. FORKER: a filter before
+    `enough` is refilled by sampling again; one after it leaves fewer groups to train."""
     keep = torch.arange(len(rewards))
     words = "all"
     if a.dynamic_sampling:
