@@ -125,7 +125,7 @@ class Args:
     sapo_tau_pos: float = flag(1.0, "SAPO gate temperature where A > 0", bounds="(0, inf)")
     sapo_tau_neg: float = flag(1.05, "SAPO gate temperature where A < 0", bounds="(0, inf)")
     dual_clip: float = flag(0.0, "c: where A < 0 the loss is at most c |A| (off: 0)", bounds="(1, inf)")
-    cov_ratio: float = flag(2e-4, "clip_cov, kl_cov: the share of a micro-batch's tokens they select")
+    cov_ratio: float = flag(2e-4, "clip_cov, kl_cov: the share of tokens they select", bounds="[0, 1]")
     cov_low: float = flag(1.0, "clip_cov: where cov_low < cov(A, log π) < cov_high", bounds="(-inf, inf)")
     cov_high: float = flag(5.0, "clip_cov: see --cov-low", bounds="(-inf, inf)")
     cov_kl_coef: float = flag(0.1, "kl_cov: the |log r| penalty's weight on the selected tokens")
@@ -238,9 +238,11 @@ def check_args(a: Args):
         (bool(a.teacher_pool) != (a.teacher_per_group > 0), "the mixed pool needs both --teacher-pool PATH "
                                                              "and --teacher-per-group G_T > 0"),
         (a.split_grads and not a.teacher_pool, "--split-grads needs --teacher-pool (the teacher half)"),
-        (a.adv_estimator == "gdpo" and (a.teacher_pool or a.overlong_penalty),
-         "--adv-estimator gdpo normalises each reward function apart: the pool's and the overlong penalty's "
-         "rewards have no parts"),
+        (a.adv_estimator == "gdpo" and (a.teacher_pool or a.overlong_penalty or a.kl_in_reward),
+         "--adv-estimator gdpo normalises each reward function apart: the pool's rewards, the overlong "
+         "penalty and --kl-in-reward have no parts"),
+        (a.surrogate in ("gmpo", "vespo") and a.ratio == "sequence", "--surrogate gmpo and vespo take token "
+         "ratios (their own mean and product over o_i): drop --ratio sequence"),
         (a.tis and a.tis_min >= a.tis, "--tis-min must be below --tis (the floor and the cap of w)"),
         (a.dataset == "" and a.eval_prompts > HELD_OUT, f"--eval-prompts: the built-in task has {HELD_OUT}"),
         (not a.rewards.strip(", ") and not a.reward_fn, "no reward: give --rewards and/or --reward-fn"),
@@ -779,14 +781,14 @@ def step_terms(s: dict, a: Args):
         mean = (L * adv).sum() / L.sum()
         adv = (adv - mean) * torch.rsqrt((L * (adv - mean) ** 2).sum() / (L.sum() - 1) + 1e-8)
         flat = flat & False  # whitened: an equal-reward group's A is not 0
-        words["A"] = "(a_i - mean_t(a)) / std_t(a) over the step's tokens, a_i = R_i - mean_g(R)"
+        words["A"] = "(a_i - mean_t(a)) / std_t(a) over the step's tokens, a_i = R_i - mean_g(R) (no A is 0)"
     if a.adv_estimator == "gdpo":  # GDPO (2601.05242), as TRL's normalize_then_sum: each reward normalised in
         parts = s["per_fn"].T.reshape(-1, *rewards.shape)  # its group, weighted, summed, then whitened over
         weights = [float(w or 1) for _, _, w in (p.partition(":") for p in a.rewards.split(",") if p)]
         S = sum(w * group_advantages(r, "std", a.std_eps)[0] for w, r in zip(weights + [1.0], parts))
         adv = (S - S.mean()) / (S.std() + a.std_eps)  # the step's completions
         flat = flat & False  # equal totals need not mean equal parts
-        words["A"] = "(S_i - mean(S)) / std(S), S_i = Σ_k w_k (R_k,i - mean_g(R_k)) / std_g(R_k)"
+        words["A"] = "(S_i - mean(S)) / std(S), S_i = Σ_k w_k (R_k,i - mean_g(R_k)) / std_g(R_k) (no A is 0)"
     if a.soft_reweight:  # Dr. GRPO+ soft reweighting
         w = soft_weights(rewards.std(1), a.std_eps)  # (groups,)
         adv = adv * w[:, None]
@@ -799,7 +801,9 @@ def step_terms(s: dict, a: Args):
     adv = row_adv[:, None]
     if a.top_entropy_quantile < 1 and mask.any():  # 80/20 (2506.01939): the policy loss on the top-ρ of
         H = s["old_entropy"]  # the step's trained tokens by π_old's entropy (KL, normalisers as they were)
-        adv = adv * (H >= torch.quantile(H[mask > 0], 1 - a.top_entropy_quantile))
+        ranked = H[mask > 0].sort().values  # torch.quantile's linear rule; it refuses over 2^24 tokens
+        at = torch.tensor(1 - a.top_entropy_quantile, dtype=H.dtype) * (len(ranked) - 1)
+        adv = adv * (H >= torch.lerp(ranked[at.long()], ranked[at.ceil().long()], at - at.long()))
         words["A"] += f"  ·  1[H_i,t ≥ its {1 - a.top_entropy_quantile:g} quantile in the step]"
     return adv, row_adv, mask, flat, stats, words
 
@@ -845,13 +849,13 @@ def policy_loss(logp, old_logp, adv, mask, a: Args):
         k = torch.where(adv >= 0, 2.0, 3.0)
         lam = torch.where(adv >= 0, 3.0, 2.0)
         loss = -torch.exp(lam + k * log_w - lam * log_w.exp()) * adv * logp  # w = e^log_w, at most e^20
-        words["ℓ"] = "-sg(w^k e^(λ(1-w)))·A_i·log π_θ, w = Π_t r_t, k, λ = 2, 3 (A_i ≥ 0) or 3, 2"
+        words["ℓ"] = "-sg(w^k e^(λ(1-w)))·A_i·log π_θ (w = Π_t r_t; k, λ = 2, 3, or 3, 2 if A_i < 0)"
     elif a.surrogate in ("clip_cov", "kl_cov"):
         loss, words["ℓ"] = cov_loss(ratio, clipped, log_ratio, logp, adv, mask, a)
     elif a.surrogate == "sapo":
         tau = torch.where(adv > 0, a.sapo_tau_pos, a.sapo_tau_neg)
         loss = -(4 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv
-        words["ℓ"] = f"-4/τ·σ(τ(r-1))·A_i, τ = {a.sapo_tau_pos:g} if A_i > 0 else {a.sapo_tau_neg:g}"
+        words["ℓ"] = f"-4/τ·σ(τ(r-1))·A_i (τ = {a.sapo_tau_pos:g} if A_i > 0 else {a.sapo_tau_neg:g})"
     else:
         loss = -torch.min(ratio * adv, clipped * adv)
         words["ℓ"] = f"-min(r·A_i, {clip}·A_i)"
@@ -874,11 +878,11 @@ def cov_loss(ratio, clipped, log_ratio, logp, adv, mask, a: Args):
         free = (m & (loss == -ratio * adv) & (cov > a.cov_low) & (cov < a.cov_high)).flatten().nonzero()[:, 0]
         loss = loss.flatten().index_fill(0, free[torch.randperm(len(free))[:n]], 0).view_as(loss)
         clip = f"clip(r, 1-{a.eps_low:g}, 1+{a.eps_high:g})"
-        return loss, (f"-min(r·A_i, {clip}·A_i), 0 at {a.cov_ratio:g} of the tokens, drawn where "
-                      f"{a.cov_low:g} < cov(A, log π) < {a.cov_high:g}")
+        return loss, (f"-min(r·A_i, {clip}·A_i) (0 at {a.cov_ratio:g} of the tokens, drawn where "
+                      f"{a.cov_low:g} < cov(A, log π) < {a.cov_high:g})")
     top = cov.where(m, -math.inf).flatten().topk(n).indices
     picked = torch.zeros_like(logp).flatten().index_fill(0, top, 1).view_as(logp)
-    words = f"-r·A_i + {a.cov_kl_coef:g}·|log r| at the top {a.cov_ratio:g} of tokens by cov(A, log π)"
+    words = f"(-r·A_i + {a.cov_kl_coef:g}·|log r| at the top {a.cov_ratio:g} of tokens by cov(A, log π))"
     return -ratio * adv + a.cov_kl_coef * picked * log_ratio.abs(), words
 
 def kl_penalty(logp, ref_logp, kind: str = "k3", old_logp=None):

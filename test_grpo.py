@@ -359,6 +359,18 @@ def test_top_entropy_keeps_the_tokens_at_or_above_the_step_s_quantile_by_hand():
     assert adv.shape == (2, 1)
 
 
+def test_top_entropy_takes_the_quantile_of_a_step_past_torch_quantile_s_limit():
+    """torch.quantile refuses over 2^24 elements (64 prompts x 16 completions x 16k tokens): the step's quantile
+    is torch.quantile's rule written out. Two rows of 2^23 + 1 tokens, entropies 0..2^24 + 1 (float64): the 0.5
+    quantile sits at (2^24 + 1) / 2 = 8388608.5, so the tokens of entropy 8388609 and up are kept."""
+    n = 2 ** 23 + 1
+    H = torch.arange(2 * n, dtype=torch.float64).view(2, n)
+    adv, *_ = step(grpo.Args(num_generations=2, scale="none", top_entropy_quantile=0.5), [1.0, 0.0],
+                   torch.ones(2, n), old_entropy=H)
+    kept = adv != 0
+    assert kept.sum() == n and kept[1].all() and not kept[0].any()  # row 1 holds 8388609 ... 16777217
+
+
 # ----------------------------------------------------------------------------- the token objective
 def peer_inputs():
     """The inputs of the peer values quoted below (TRL 1.16.0 and verl 0.9.1, their own functions run on them),
@@ -1303,6 +1315,8 @@ def test_presets_are_the_papers_and_explicit_flags_win(algo):
     (["--num-generations", "1"], "--num-generations"),
     (["--top-k-groups", "9"], "--top-k-groups"),
     (["--dual-clip", "3", "--surrogate", "cispo"], "--dual-clip caps the clip surrogate: add --surrogate clip"),
+    (["--adv-estimator", "gdpo", "--kl-in-reward", "0.1"], "gdpo normalises each reward function apart"),
+    (["--surrogate", "gmpo", "--ratio", "sequence"], "--surrogate gmpo and vespo take token ratios"),
     (["--output-dir", ""], "--output-dir must name a directory"),
     (["--eval-prompts", "5000"], "--eval-prompts: the built-in task has 2900"),
     (["--rewards", ""], "no reward"),
@@ -1333,6 +1347,7 @@ def test_impossible_flags_fail_with_a_sentence(argv, says):
     ("--eps-low", "1", r"--eps-low must be in \[0, 1\)"), ("--warmup-steps", "-1", "--warmup-steps must be"),
     ("--micro-batch-size", "-1", r"--micro-batch-size must be in \(0, inf\), not -1"),
     ("--dual-clip", "1", r"--dual-clip must be in \(1, inf\), not 1.0"),
+    ("--cov-ratio", "5", r"--cov-ratio must be in \[0, 1\], not 5.0"),
 ])
 def test_out_of_range_flags_fail_with_their_name(flag, value, says):
     extra = ["--teacher-pool", "p.jsonl", "--teacher-per-group", "2"] if flag == "--num-generations" else []
@@ -1365,7 +1380,7 @@ def test_dry_run_prints_the_objective_then_the_flags(capsys):
     assert "R_i = correct_pm1 + overlong(L_cache=51)" in out
     grpo.main(["--algo", "grpo", "--dry-run", "--surrogate", "sapo", "--ratio", "sequence", "--kl", "k3_ratio"])
     out = capsys.readouterr().out
-    assert "-4/τ·σ(τ(r-1))·A_i, τ = 1 if A_i > 0 else 1.05" in out and "r = s_i = exp(mean_t log" in out
+    assert "-4/τ·σ(τ(r-1))·A_i (τ = 1 if A_i > 0 else 1.05) + 0.04·KL" in out and "r = s_i = exp(mean_t log" in out
     assert "+ 0.04·KL_k3_ratio(π_θ, π_ref)" in out and "those of equal rewards (A = 0) trained" in out
     grpo.main(["--algo", "grpo", "--dry-run", "--dual-clip", "3", "--beta", "0", "--num-iterations", "2"])
     out = capsys.readouterr().out
