@@ -5,14 +5,17 @@
     python grpo.py --resume --max-steps 400    # continue the run saved in --output-dir, bit for bit
     torchrun --nproc_per_node 4 grpo.py ...    # several GPUs: each rank takes whole groups
 
-One step: B prompts -> G sampled completions each -> rewards -> group-relative advantages -> clipped
-token loss -> one optimizer step (num_iterations of them). A preset only sets defaults:
+One step: B prompts -> G sampled completions each -> rewards -> what the terms read of pi_old and the
+reference -> group-relative advantages -> clipped token loss -> optimizer steps. A preset sets defaults:
   grpo         GRPO (2402.03300) §4.1: A = (R - mean) / std; sequence token means, averaged; k3 KL 0.04
   drgrpo       Dr. GRPO (2503.20783) §3.1: no / std, no 1 / |o_i|: token sums / (n_seq T); no KL
   dapo         DAPO (2503.14476) §3: clip-higher 0.28, dynamic sampling, token-mean, overlong penalty, ±1
   drgrpo_soft  Dr. GRPO+ soft (no paper): Dr. GRPO's A times std_g / max std_g'; sequence token sums
-Newer losses, each a flag at the one loss site (policy_loss): --ratio sequence (GSPO, 2507.18071),
---surrogate cispo (MiniMax-M1, 2506.13585) | sapo (2511.20347), --dual-clip (1912.09729); KL: --kl.
+Every other variant is a flag and one place (papers beside the code): the token loss, policy_loss:
+--ratio sequence (GSPO; LUSPO), --surrogate cispo | sapo | gmpo | vespo | clip_cov | kl_cov, --dual-clip;
+around it, token_objective: --beta/--kl, --tis(-mode), --opsm-delta, --entropy-coef; the rewards, advantage
+and mask, step_terms: --kl-in-reward, --adv-estimator rloo | reinforce_plus_plus_baseline | gdpo, --scale
+batch, --soft-reweight, --top-entropy-quantile, --mask-truncated. --dry-run prints what the flags add up to.
 Mixed pool (--teacher-pool): G_s samples and G_t cached teacher completions with frozen rewards in one
 group (as in LUFFY, 2504.14945); --split-grads backpropagates the two apart. Departures: README.
 Shapes: B prompts a step, G completions a prompt (G_s + G_t), N rows (B*G, or a micro-batch), P prompt
