@@ -932,8 +932,8 @@ def token_objective(logp, entropy, b: dict, a: Args):
     """A micro-batch's per-token loss ℓ (N, C) before aggregation, its terms in --dry-run's order, each
     beside its words; diagnostics (N, C) by name, logged as means over the trained tokens where finite.
     logp, entropy (N, C): the policy's, with gradient; b: the micro-batch's rows (adv, loss mask,
-    sampler_logp) and the step inputs a term reads (step_inputs computes them because it does). FORKER: a
-    new term or token weight is a line here and its words the next; a metric, a line in `diag`."""
+    sampler_logp) and the step inputs a term reads (step_inputs computes them for it). FORKER: a new term
+    or token weight is a line here and its words the next; a metric, a line in `diag`."""
     old_logp = logp.detach()  # one update a step: ratio 1, no extra forward
     words = {"π_old": "sg(π_θ): one update a step, so r = 1"}
     if a.num_iterations > 1:  # teacher rows too: π_old is the policy's (advantage-weighted imitation)
