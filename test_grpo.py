@@ -1073,6 +1073,8 @@ ANSWER_STYLES = [
     ("The answer is 3.\nNo, wait: the answer is 4.", "4", True),
     ("The answer is 3.\nNo, wait: the answer is 4.", "3", False),
     ("The answer is 3. No, wait: the answer is 4.", "4", True),  # the last phrase of a line
+    ("first 3, then 4, finally \u221212", "-12", True),  # a Unicode minus sign, as models write it
+    ("first 3, then 4, finally \u221212", "12", False),
 ]
 
 
