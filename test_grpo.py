@@ -1073,8 +1073,26 @@ ANSWER_STYLES = [
     ("The answer is 3.\nNo, wait: the answer is 4.", "4", True),
     ("The answer is 3.\nNo, wait: the answer is 4.", "3", False),
     ("The answer is 3. No, wait: the answer is 4.", "4", True),  # the last phrase of a line
+    # the less common shapes of each path: signs, fractions, decimals (the last number: no phrase, box or tag)
+    ("first 3, then 4, finally -12", "-12", True),
+    ("first 3, then 4, finally -12", "12", False),
     ("first 3, then 4, finally \u221212", "-12", True),  # a Unicode minus sign, as models write it
     ("first 3, then 4, finally \u221212", "12", False),
+    ("so each gets 3/4", "0.75", True),
+    ("so each gets 3/4", "4", False),
+    ("so each gets -3/4", "-0.75", True),
+    ("It went from 5 to -2.5 degrees", "-2.5", True),
+    ("It went from 5 to -2.5 degrees", "2.5", False),
+    ("The answer is -5 apples and 3 pears.", "-5", True),  # a phrase's first number, with its sign
+    ("The answer is -5 apples and 3 pears.", "5", False),
+    ("The answer is 5 apples and 3 pears.", "5", True),
+    ("The answer is 5 apples and 3 pears.", "3", False),
+    ("#### -8", "-8", True),
+    ("#### 8", "-8", False),
+    ("<answer>-2</answer>", "-2", True),
+    ("<answer>2</answer>", "-2", False),
+    ("<answer>3/4</answer>", "0.75", True),
+    ("\\boxed{-12}", "12", False),
 ]
 
 
@@ -1108,7 +1126,10 @@ def test_gsm8k_reference_answer():
     ("  <think>a</think><answer>3</answer>\n", 1.0), ("<think>a</think> trailing <answer>3</answer>", 0.0),
     ("<answer>3</answer>", 0.0), ("<reasoning>a</think><answer>3</answer>", 0.0),
     ("Sure. <think>a</think><answer>3</answer>", 0.0), ("<think>a</think><answer>3</answer> Done.", 0.0),
-    ("<think>a</think><answer>3", 0.0)])
+    ("<think>a</think><answer>3", 0.0),
+    ("<think>\nStep 1: 1 + 2 = 3.\n\nStep 2: done.\n</think>\n<answer>\n3\n</answer>", 1.0),  # thinking on lines
+    ("<reasoning>line 1\nline 2</reasoning><answer>3</answer>", 1.0),
+    ("<think>a\nb</think>\nso <answer>3</answer>", 0.0)])
 def test_format_reward(text, want):
     assert R.r1_format(text, "3") == R.REWARDS["format"](text, "3") == want
 
@@ -2738,10 +2759,14 @@ def test_resume_continues_the_run_bit_for_bit_from_anywhere(tiny_dir, tmp_path):
     (optimizer, prompt stream with dynamic sampling's refills, torch and python RNG restored), so a run repeats
     itself. The resumed run starts in another directory (the relative paths were saved absolute), gives the
     teacher pool at a new path, and evaluates on more prompts: none of which changes what it trains. The
-    learning rate warms up linearly over 3 steps, then holds (DAPO's warm-up), across the resume too."""
+    learning rate warms up linearly over 3 steps, then holds (DAPO's warm-up), across the resume too. Two of the
+    four prompts score 0 (their groups are dropped where the teacher's pool reward is 0 too): both steps before the
+    stop sample again, so the resumed stream starts 2 rounds of B prompts a step on, not one."""
     common = ["--algo", "dapo", "--model", tiny_dir, "--teacher-per-group", "1", "--max-gen-rounds", "2"] + TINY \
-        + mixed_files(tmp_path, relative=True) + ["--reward-fn", "rw.py:digits", "--warmup-steps", "3"]
-    reward_file(tmp_path)
+        + mixed_files(tmp_path, relative=True) + ["--reward-fn", "rw.py:digits", "--warmup-steps", "3"] \
+        + ["--no-overlong-penalty"]  # (else the lengths' penalties would part every group's rewards)
+    reward_file(tmp_path, "def digits(c, a, prompt, **kw):\n    return 0.0 if prompt in ('What is 0 + 0?', "
+                          "'What is 1 + 1?') else sum(ch.isdigit() for ch in c) / 10\n")
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     main(common + ["--output-dir", straight, "--max-steps", "4"], cwd=tmp_path)
     main(common + ["--output-dir", split, "--max-steps", "2"], cwd=tmp_path)
@@ -2754,6 +2779,7 @@ def test_resume_continues_the_run_bit_for_bit_from_anywhere(tiny_dir, tmp_path):
                                                 f"{split}/metrics.jsonl"
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in steady(rows)]  # noqa
     assert strip(metrics(split)) == strip(metrics(straight)) and len(metrics(split)) == 4
+    assert [r["groups/gen_rounds"] for r in metrics(straight)[:2]] == [2, 2]  # refills before the stop
     assert [r["lr"] for r in metrics(straight)] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3])
     a, b = trained(straight), trained(split)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
