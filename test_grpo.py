@@ -60,6 +60,20 @@ def wide_dir(tmp_path_factory):
     return tiny.make_tiny(str(tmp_path_factory.mktemp("wide") / "model"), layers=1, hidden=64, vocab=151936)
 
 
+@pytest.fixture(scope="session")
+def eos_dir(tmp_path_factory):
+    """The tiny model with several EOS ids in its generation config, as Qwen2.5-Instruct's lists <|im_end|> and
+    <|endoftext|> where its tokenizer names one; here 20 byte tokens too (bytes above 160, never in ASCII text), so
+    that sampled completions end at varied lengths, most of them before T = 12."""
+    from transformers import AutoTokenizer, GenerationConfig
+    path = tiny.make_tiny(str(tmp_path_factory.mktemp("eos") / "model"))
+    tok = AutoTokenizer.from_pretrained(path)
+    high = [i for i, t in enumerate(tok.convert_ids_to_tokens(list(range(len(tok))))) if "¡" <= t <= "ÿ"][:20]
+    assert len(high) == 20 and tok.eos_token == "<|im_end|>"
+    GenerationConfig(eos_token_id=tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]) + high).save_pretrained(path)
+    return path
+
+
 @pytest.fixture(autouse=True)
 def signal_handlers():
     """grpo.main() installs its own handlers of grpo.STOPS (and tests an alarm): none is left behind; nor is the
@@ -1706,6 +1720,25 @@ def test_sampling_ignores_the_model_s_own_generation_defaults(tmp_path):
     assert model.generation_config.eos_token_id == [tok.eos_token_id]
 
 
+def test_every_eos_id_of_the_model_ends_a_completion(eos_dir):
+    """A chat model may end on several tokens (Qwen2.5's generation config lists <|im_end|> and <|endoftext|>, its
+    tokenizer names one): the sampler stops at any of them, and a completion is cut after the first, not truncated,
+    its log-probs as long. One that ran on past such a token would be marked truncated and trained past its end."""
+    a = grpo.parse_args(["--model", eos_dir, "--max-new-tokens", "12"])
+    model, tok, _ = grpo.load_model(a, torch.device("cpu"))
+    from transformers import GenerationConfig
+    eos = GenerationConfig.from_pretrained(eos_dir).eos_token_id
+    assert model.generation_config.eos_token_id == sorted(eos) and len(eos) == 22
+    torch.manual_seed(0)
+    texts = [grpo.chat_prompt(tok, t, a.system_prompt) for t in TEXTS]
+    _, comps, truncated, logps = grpo.generate(model, tok, texts, 8, a)
+    for c, cut, lp in zip(comps, truncated, logps):
+        ends = [i for i, t in enumerate(c.tolist()) if t in eos]
+        assert ends == ([] if cut else [len(c) - 1]) and len(c) == (12 if cut else len(c)) and len(lp) == len(c)
+    ended_by = {c[-1].item() for c, cut in zip(comps, truncated) if not cut}
+    assert len(ended_by - {tok.eos_token_id}) >= 3 and sum(truncated) < 8  # the model's other EOS ids end most
+
+
 def test_kl_reference_is_the_base_model(tiny_dir):
     """KL reference = the adapter disabled (no second copy): train_step's kl metric is k3 against the base
     model's log-probs, computed here from a separately loaded base model, and not 0."""
@@ -2555,11 +2588,15 @@ def mixed_files(tmp_path, n_prompts=4, relative=False):
 
 
 @pytest.mark.parametrize("extra", [[], ["--dtype", "bf16", "--num-iterations", "2"]])
-def test_mixed_pool_run_with_split_grads(tiny_dir, tmp_path, extra):
+def test_mixed_pool_run_with_split_grads(eos_dir, tmp_path, extra):
+    """The metrics of a step's completions against their values recomputed from samples.jsonl (every group logged);
+    the model ends completions at varied lengths (eos_dir), so a length's mean, max and truncated share differ."""
     out = str(tmp_path / "out")
-    main(["--algo", "drgrpo", "--model", tiny_dir, "--max-steps", "2", "--output-dir", out, "--teacher-per-group",
+    main(["--algo", "drgrpo", "--model", eos_dir, "--max-steps", "2", "--output-dir", out, "--teacher-per-group",
           "2", "--split-grads", "--log-samples", "2"] + TINY + extra + mixed_files(tmp_path) + reward_file(tmp_path))
     samples = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
+    answers = {f"What is {i} + {i}?": str(2 * i) for i in range(4)}  # mixed_files'
+    mean = statistics.mean
     for m in metrics(out):
         ns, nt, cos = m["grad/norm_student"], m["grad/norm_teacher"], m["grad/cos_student_teacher"]
         assert m["grad/norm"] ** 2 == pytest.approx(ns ** 2 + nt ** 2 + 2 * ns * nt * cos, rel=1e-3)
@@ -2569,6 +2606,27 @@ def test_mixed_pool_run_with_split_grads(tiny_dir, tmp_path, extra):
         for key, part in (("reward/mean", rows), ("reward/mean_student", [r for r in rows if not r["teacher"]]),
                           ("reward/mean_teacher", [r for r in rows if r["teacher"]])):  # reward/mean: both sources
             assert m[key] == pytest.approx(sum(r["reward"] for r in part) / len(part), abs=1e-6), key
+        # README's other metrics of the step's completions, each over its rows (the sampled ones, or every one)
+        students, teachers = [r for r in rows if not r["teacher"]], [r for r in rows if r["teacher"]]
+        lengths = [r["length"] for r in students]
+        assert m["reward/std"] == pytest.approx(statistics.stdev(r["reward"] for r in rows), abs=1e-6)
+        assert m["accuracy"] == statistics.mean(R.correct(r["completion"], answers[r["prompt"]]) for r in students)
+        assert m["completion/tokens"] == sum(lengths) and m["completion/max_length"] == max(lengths)
+        assert m["completion/mean_length"] == m["completion/mean_length_student"] == pytest.approx(mean(lengths))
+        assert m["completion/mean_length_teacher"] == pytest.approx(mean([r["length"] for r in teachers]))
+        assert m["completion/truncated_frac"] == statistics.mean(r["truncated"] for r in students)
+        for name in ("digits", "correct"):
+            assert m[f"reward/{name}"] == pytest.approx(mean([r["rewards"][name] for r in students]), abs=1e-6)
+        groups = [[r["reward"] for r in rows if r["prompt"] == p] for p in {r["prompt"] for r in rows}]
+        assert m["groups/equal_frac"] == statistics.mean(min(g) == max(g) for g in groups)
+    for g in {r["prompt"] for r in samples}:  # G_t = 2 of the pool's 3, drawn without replacement
+        for step in (1, 2):
+            picks = [r["completion"] for r in samples if r["prompt"] == g and r["step"] == step and r["teacher"]]
+            assert len(set(picks)) == len(picks)
+    teachers = [r for r in samples if r["teacher"]]
+    assert {"No idea.", "\\boxed{7}"} <= {r["completion"] for r in teachers}  # any of the three, not the first two
+    assert any(r["correct"] for r in teachers) and not all(r["correct"] for r in samples)  # accuracy can tell
+    assert 0 < statistics.mean(r["truncated"] for r in samples if not r["teacher"]) < 1  # and truncated_frac
 
 
 def test_samples_log_first_group_and_sampled_eval(tiny_dir, tmp_path, capsys):
