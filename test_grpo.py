@@ -70,7 +70,8 @@ def eos_dir(tmp_path_factory):
     tok = AutoTokenizer.from_pretrained(path)
     high = [i for i, t in enumerate(tok.convert_ids_to_tokens(list(range(len(tok))))) if "¡" <= t <= "ÿ"][:20]
     assert len(high) == 20 and tok.eos_token == "<|im_end|>"
-    GenerationConfig(eos_token_id=tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]) + high).save_pretrained(path)
+    eos = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]) + high
+    GenerationConfig(eos_token_id=eos).save_pretrained(path)
     return path
 
 
