@@ -3280,7 +3280,7 @@ if {straight!r} in sys.argv and os.environ["RANK"] == "1":  # rank 1 copies the 
 
 
 RANKS = """
-import itertools, json, sys
+import dataclasses, itertools, json, sys
 sys.path.insert(0, sys.argv[1])
 import torch
 import grpo
@@ -3320,6 +3320,23 @@ for case, schedule in SCHEDULES.items():
     groups = sum(grpo.all_gather([[g["prompt"], g["rewards"].tolist(), g["adv"].tolist()] for g in kept]), [])
     result[case] = [sorted(groups), {k: v for k, v in stats.items() if k.startswith(("groups/kept", "groups/gen",
                                                                                       "adv/"))}]
+def generate(model, tok, texts, n, a, greedy=False, sampler=None):  # completions set by each prompt's number k
+    rows = [(int(t.split("Question ")[1].split("?")[0]), j) for t in texts for j in range(n)]
+    comps = [tok(f"\\boxed{{{k % 3 if greedy else (k + j) % 2}}}" + " so" * (k % 4 + j), add_special_tokens=False)
+             .input_ids + [tok.eos_token_id] * ((k + j) % 3 > 0) for k, j in rows]  # (k + j) % 3 == 0: truncated
+    prompts = [tok(t, add_special_tokens=False, return_tensors="pt").input_ids[0] for t in texts]
+    odd = [places.index(f"Question {k}?") % 2 for k, _ in rows]  # its place in a round: odd on rank 1 of 2
+    return (prompts, [torch.tensor(c) for c in comps], [(k + j) % 3 == 0 for k, j in rows],
+            [torch.full((len(c),), -30.0 * o) for o, c in zip(odd, comps)])  # the sampler's: 30 nat off on rank 1
+def graded(completion, answer, prompt, **kw):  # prompts 3, 6, ...: an equal-reward group
+    return 0.5 if int(prompt.split()[1][:-1]) % 3 == 0 else float(grpo.is_correct(completion, answer))
+grpo.generate = generate  # every rank's rows in the step's metrics and in the evaluation, as one process has them
+places = [ex["prompt"] for ex in itertools.islice(grpo.prompt_stream(train, a.seed), 40)]
+kept, stats, _ = grpo.rollout(model, tok, grpo.prompt_stream(train, a.seed), [("graded", graded, 1.0)], None, a, None,
+                              rank, world)
+stats.update(grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), kept, a))
+result["metrics"] = {k: v for k, v in stats.items() if not k.startswith("time/")}
+result["eval"] = grpo.evaluate(model, tok, train[:10], dataclasses.replace(a, eval_samples=2), rank, world)
 if rank == 0:
     json.dump(result, open(out + ".json", "w"))
 if world > 1:
@@ -3330,7 +3347,9 @@ if world > 1:
 def test_two_processes_filter_as_one_and_refuse_what_they_cannot_run(tiny_dir, tmp_path):
     """Dynamic sampling (kept groups counted over the ranks), top-k over every rank's groups and soft reweighting
     by the largest std among them: a rollout on 2 ranks keeps the groups that one process keeps, with the same
-    advantages (rewards set by each prompt's place in the data order, whatever was sampled). And under torchrun,
+    advantages (rewards set by each prompt's place in the data order, whatever was sampled); with completions set
+    by each prompt (a stub of the sampler), every metric of the step (rollout's, train_step's) and of the evaluation
+    is the one process's, from every rank's rows (rank 0's alone give others). And under torchrun,
     --resume of a one-process run and a --prompts-per-step that does not divide over the ranks are refused in
     one line, before anything is written."""
     data = write(tmp_path / "data.jsonl", [json.dumps({"prompt": f"Question {i}?", "answer": "1"}) for i in range(40)])
@@ -3358,6 +3377,12 @@ def test_two_processes_filter_as_one_and_refuse_what_they_cannot_run(tiny_dir, t
             sum((g[2] for g in x[0]), []) == pytest.approx(sum((g[2] for g in y[0]), []), rel=1e-5)
     assert same(two["exact"], one["exact"]), (two["exact"], one["exact"])
     assert same(two["overshoot"], one["overshoot"]), (two["overshoot"], one["overshoot"])  # the cut to B
+    # completions set by each prompt (a sampler stub): every metric of the step and the evaluation is one process's
+    assert two["metrics"] == pytest.approx(one["metrics"], rel=1e-5) and len(one["metrics"]) == 25, one["metrics"]
+    assert two["eval"] == pytest.approx(one["eval"]) and one["eval"]["eval/accuracy"] == 0.3  # k % 3 == 1 of 0-9
+    m = one["metrics"]
+    assert 0 < m["groups/equal_frac"] < 1 and 0 < m["accuracy"] < 1 and 0 < m["completion/truncated_frac"] < 1
+    assert m["sampler/logp_gap_max"] > 20 and m["train/rows"] == 6  # the largest gap: on rank 1
 
 
 def test_two_processes_mixed_pool_refill_sigterm_and_resume(tiny_dir, tmp_path):
