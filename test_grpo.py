@@ -3248,6 +3248,38 @@ def test_a_signal_before_the_first_step_ends_saves_nothing_and_says_so(tiny_dir,
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
+def test_each_rank_samples_and_draws_teachers_of_its_own_from_one_prompt_order(tiny_dir, tmp_path, monkeypatch):
+    """start() as rank 0 and rank 1 of 2 (in this process; no process group is needed for what is compared): the
+    ranks start from one LoRA init, read one prompt order (each takes its share of a round from it), and, given the
+    same prompt, sample
+    other completions and draw other teachers from the pool (their random states are seeded apart: --seed + 1000 *
+    rank), the same ones in every run of that seed."""
+    data = write(tmp_path / "data.jsonl", [json.dumps({"prompt": f"What is {i} + {i}?", "answer": str(2 * i)})
+                                           for i in range(6)])
+    pool = write(tmp_path / "pool.jsonl", [json.dumps({"prompt": f"What is {i} + {i}?", "completion": f"c{j}",
+                                                       "reward": j}) for i in range(6) for j in range(6)])
+    one = {"prompt": "What is 1 + 1?", "answer": "2"}  # every group of a round: the same prompt on both ranks
+
+    def draws(rank, out):
+        monkeypatch.setattr(grpo, "setup_distributed", lambda: (rank, 2, torch.device("cpu")))
+        a = grpo.parse_args(["--model", tiny_dir, "--output-dir", str(tmp_path / out), "--dataset", data,
+                             "--teacher-pool", pool, "--teacher-per-group", "3"] + TINY)
+        run = grpo.start(a)
+        order = [next(run.stream)["prompt"] for _ in range(12)]
+        groups = grpo.rollout(run.model, run.tok, itertools.repeat(one), run.reward_fns, run.pool, a, None, rank, 2)[2]
+        for f in (run.bar, run.log, run.samples) if rank == 0 else ():
+            f.close()
+        lora = torch.cat([p.detach().flatten() for p in run.model.parameters() if p.requires_grad]).tolist()
+        return order, [c.tolist() for g in groups for c in g["completions"][:4]], [g["texts"][4:] for g in groups], lora
+    order, samples, teachers, lora = draws(0, "zero")
+    other = draws(1, "one")
+    assert other[3] == lora  # one LoRA init: the gradients are summed over ranks onto the same weights
+    assert other[0] == order == [ex["prompt"] for ex in itertools.islice(grpo.prompt_stream(grpo.load_data(
+        grpo.parse_args(["--dataset", data]))[0], 0), 12)]
+    assert other[1] != samples and set(map(tuple, other[1])).isdisjoint(map(tuple, samples))
+    assert other[2] != teachers and draws(1, "again") == other
+
+
 def test_two_processes_give_the_one_process_update(tiny_dir, tmp_path):
     """Same completions, whole groups split over 2 ranks: the same parameter update as one process,
     for token-mean, seq-mean-token-sum-norm, and seq-mean-token-mean with the per-source split."""
