@@ -2954,14 +2954,24 @@ def test_a_run_started_with_overwrite_resumes_and_a_flag_newer_than_its_checkpoi
 
 def test_resume_from_the_old_checkpoint_and_a_partial_metrics_line(tiny_dir, tmp_path):
     """A save killed between its two renames leaves checkpoint.old/ alone: --resume continues from it. A crash
-    mid-write leaves a partial last metrics line: it is dropped."""
+    mid-write leaves a partial last metrics line: it is dropped. Where both are whole (a save killed before it
+    deleted .old/), the newer, checkpoint/, is the run's: step 2's run is done at --max-steps 2, and goes on to 3."""
     out = str(tmp_path / "out")
     main(["--model", tiny_dir, "--max-steps", "1", "--output-dir", out] + TINY)
+    shutil.copytree(out + "/checkpoint", tmp_path / "step1")
     os.replace(out + "/checkpoint", out + "/checkpoint.old")
     with open(out + "/metrics.jsonl", "a") as f:
         f.write('{"step": 2, "reward/me')
     main(["--output-dir", out, "--resume", "--max-steps", "2"])
     assert [r["step"] for r in metrics(out)] == [1, 2] and not os.path.exists(out + "/checkpoint.old")
+    shutil.copytree(tmp_path / "step1", out + "/checkpoint.old")
+    with pytest.raises(SystemExit) as done:
+        main(["--output-dir", out, "--resume", "--max-steps", "2"])
+    assert done.value.code == 0 and grpo.last_checkpoint(out) == out + "/checkpoint"
+    before = pathlib.Path(out, "metrics.jsonl").read_text()
+    main(["--output-dir", out, "--resume", "--max-steps", "3"])
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3]
+    assert pathlib.Path(out, "metrics.jsonl").read_text().startswith(before)  # step 2 kept, not run again
 
 
 def test_a_damaged_checkpoint_is_named_in_one_line_and_a_whole_old_one_is_used(tiny_dir, tmp_path, capsys):
