@@ -2058,7 +2058,8 @@ def rollout(a, model, tok, fn, pool=None):
 
 def test_the_overlong_penalty_reaches_the_reward(loaded, monkeypatch):
     """--algo dapo: R = the reward + DAPO's overlong penalty of each completion's length in tokens, counting the
-    EOS that ended it (T = 12, L_cache = 4: 0 up to 8 tokens, then (8 - |o|) / 4), by hand."""
+    EOS that ended it (T = 12, L_cache = 4: 0 up to 8 tokens, then (8 - |o|) / 4), by hand. A reward is given the
+    text without the EOS (special tokens skipped) and that length."""
     _, model, tok = loaded
     a = grpo.parse_args(["--algo", "dapo", "--overlong-buffer", "4"] + TINY)
     lengths, cut = [2, 8, 9, 11, 12, 12, 3, 10], [False] * 5 + [True] + [False] * 2
@@ -2069,10 +2070,16 @@ def test_the_overlong_penalty_reaches_the_reward(loaded, monkeypatch):
         return prompts, comps, cut, [torch.zeros(k) for k in lengths]
     monkeypatch.setattr(grpo, "generate", fake_generate)
     stream = grpo.prompt_stream(grpo.arithmetic_task(100, 0), 0)
-    _, _, generated = grpo.rollout(model, tok, stream, [("stub", stub_reward(lambda i: float(i % 2)), 1.0)], None, a)
+    seen = []
+
+    def judge(text, answer, length, **kw):  # 0, 1, 0, 1, ... and what a reward is given
+        seen.append((text, length))
+        return float((len(seen) - 1) % 2)
+    _, _, generated = grpo.rollout(model, tok, stream, [("stub", judge, 1.0)], None, a)
     penalty = [0, 0, -0.25, -0.75, -1, -1, 0, -0.5]
     assert torch.cat([g["rewards"] for g in generated]).tolist() == pytest.approx(
         [i % 2 + p for i, p in enumerate(penalty)])
+    assert seen == [(tok.decode([7] * (k - (not c))), k) for k, c in zip(lengths, cut)]  # the text without its EOS
 
 
 def test_dynamic_sampling_refills_to_b_groups(loaded):
