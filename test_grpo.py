@@ -2699,6 +2699,24 @@ def test_samples_log_first_group_and_sampled_eval(tiny_dir, tmp_path, capsys):
     assert strip(metrics(out)) == strip(metrics(plain))
 
 
+def test_the_step_s_times_and_throughput_by_a_clock_that_ticks_once_a_reading(tiny_dir, tmp_path, monkeypatch):
+    """grpo.py's clock replaced by one that moves 1 s each time it is read: time/generate and time/reward add one
+    tick a sampling round (dynamic sampling's refills: a second round), time/train one a step, and
+    tokens_per_second is the step's completion tokens over the step's ticks, those and the few between them."""
+    ticks = itertools.count(1.0)
+    monkeypatch.setattr(grpo, "time", argparse.Namespace(time=lambda: float(next(ticks))))
+    body = "n = 0\ndef r(c, a, **kw):  # step 1's first round all equal: a refill\n    global n\n    n += 1\n" \
+           "    return 0.0 if n <= 10 else n % 2\n"
+    main(["--model", tiny_dir, "--output-dir", str(tmp_path / "out"), "--max-steps", "2", "--algo", "dapo"] + TINY
+         + reward_file(tmp_path, body)[:2])
+    rows = metrics(str(tmp_path / "out"))
+    assert [r["groups/gen_rounds"] for r in rows] == [2, 1]
+    for r in rows:
+        assert r["time/generate"] == r["time/reward"] == r["groups/gen_rounds"] and r["time/train"] == 1
+        seconds = r["completion/tokens"] / r["tokens_per_second"]
+        assert 3 * r["groups/gen_rounds"] + 1 < seconds < 3 * r["groups/gen_rounds"] + 5 and seconds == pytest.approx(round(seconds))
+
+
 def test_a_run_in_which_nothing_trains_says_so_once(tiny_dir, tmp_path, capsys):
     """Equal rewards in every group (no advantage): after 5 such steps in a row, one note saying so, and never again.
     Here steps 5 and 11 alone have unequal rewards (2 calls at start-up, then B x G = 8 a step): steps 6-10 make
