@@ -3492,7 +3492,7 @@ def test_two_processes_mixed_pool_refill_sigterm_and_resume(tiny_dir, tmp_path):
     (tmp_path / "rw.py").write_text(TWO_RANKS_REWARD.format(straight=straight, left=str(left)))
     args = [os.path.join(HERE, "grpo.py"), "--algo", "dapo", "--model", tiny_dir, "--teacher-per-group", "2",
             "--split-grads", "--max-gen-rounds", "2", "--max-steps", "3", "--rewards", "correct"] + TINY \
-        + ["--eval-every", "0"] + mixed_files(tmp_path)
+        + ["--eval-every", "0", "--log-samples", "4"] + mixed_files(tmp_path)  # every group of 2 rounds of B = 2
     subprocess.run(TORCHRUN + args + ["--reward-fn", f"{tmp_path}/rw.py:r", "--output-dir", straight], cwd=HERE,
                    check=True, capture_output=True)
     args += held_judge(tmp_path, split, after=1)  # once step 1 is logged, step 2's rollout is held
@@ -3500,6 +3500,16 @@ def test_two_processes_mixed_pool_refill_sigterm_and_resume(tiny_dir, tmp_path):
     rows = metrics(straight)
     assert [r["step"] for r in rows] == [1, 2, 3]  # one file, written by rank 0 alone
     assert all(r["groups/kept"] <= 2 and "grad/cos_student_teacher" in r for r in rows if r["groups/kept"])
+    samples = [json.loads(line) for line in open(straight + "/samples.jsonl")]
+    answers = {f"What is {i} + {i}?": str(2 * i) for i in range(4)}  # mixed_files'
+    for m in rows:  # every rank's completions logged, and the step's metrics are theirs (not rank 0's alone)
+        step = [r for r in samples if r["step"] == m["step"]]
+        students = [r for r in step if not r["teacher"]]
+        assert len(step) == m["groups/gen_rounds"] * 2 * (4 + 2) and len({r["prompt"] for r in step}) > 1
+        assert m["reward/mean"] == pytest.approx(statistics.mean(r["reward"] for r in step), abs=1e-6)
+        assert m["reward/mean_teacher"] == pytest.approx(statistics.mean(r["reward"] for r in step if r["teacher"]))
+        assert m["completion/tokens"] == sum(r["length"] for r in students)
+        assert m["accuracy"] == statistics.mean(R.correct(r["completion"], answers[r["prompt"]]) for r in students)
     (tmp_path / "hold").touch()
     p = background(tmp_path, TORCHRUN + args + ["--output-dir", split])
     try:
@@ -3516,6 +3526,7 @@ def test_two_processes_mixed_pool_refill_sigterm_and_resume(tiny_dir, tmp_path):
     assert step == metrics(split)[-1]["step"] == 1
     cli(["--output-dir", split, "--resume"], cmd=TORCHRUN)
     assert steady(metrics(split)) == steady(rows)
+    assert [json.loads(line) for line in open(split + "/samples.jsonl")] == samples  # every rank's, as they were
     a, b = trained(straight), trained(split)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
