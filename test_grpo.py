@@ -1765,6 +1765,11 @@ def test_kl_reference_is_the_base_model(tiny_dir):
     for kl in ("k2", "k3_ratio"):  # the metric is k3's value whatever --kl trains (README), here not k2's
         m = grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), groups, replace(a, kl=kl))
         assert m["kl"] == pytest.approx(k3.item(), rel=1e-4) and k2 != pytest.approx(k3.item(), rel=1e-3)
+    with torch.no_grad():  # at a temperature, both sides' log-probs are of logits / T
+        d = grpo.token_logps(base, batch["input_ids"], batch["attention_mask"], C, 0.5)[0] \
+            - grpo.token_logps(model, batch["input_ids"], batch["attention_mask"], C, 0.5)[0]
+    m = grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), groups, replace(a, temperature=0.5))
+    assert m["kl"] == pytest.approx((((d.exp() - d - 1) * batch["mask"]).sum() / batch["mask"].sum()).item(), rel=1e-4)
 
 
 def sgd_update(model, a, groups, pad_id):
@@ -2997,6 +3002,7 @@ def test_resume_from_the_old_checkpoint_and_a_partial_metrics_line(tiny_dir, tmp
     main(["--output-dir", out, "--resume", "--max-steps", "3"])
     assert [r["step"] for r in metrics(out)] == [1, 2, 3]
     assert pathlib.Path(out, "metrics.jsonl").read_text().startswith(before)  # step 2 kept, not run again
+    assert [r["step"] for r in metrics(out, with_step_0=True)] == [0, 1, 2, 3]  # the start evaluated once
 
 
 def test_a_damaged_checkpoint_is_named_in_one_line_and_a_whole_old_one_is_used(tiny_dir, tmp_path, capsys):
