@@ -1742,7 +1742,8 @@ def test_every_eos_id_of_the_model_ends_a_completion(eos_dir):
 
 def test_kl_reference_is_the_base_model(tiny_dir):
     """KL reference = the adapter disabled (no second copy): train_step's kl metric is k3 against the base
-    model's log-probs, computed here from a separately loaded base model, and not 0."""
+    model's log-probs, computed here from a separately loaded base model, and not 0; and the step's other token
+    means (entropy, ratio, token loss) by hand."""
     a = grpo.parse_args(["--model", tiny_dir, "--beta", "0.1"] + TINY)
     model, tok, ref = grpo.load_model(a, torch.device("cpu"))
     assert ref is None  # LoRA: no second copy
@@ -1761,6 +1762,17 @@ def test_kl_reference_is_the_base_model(tiny_dir):
     k3 = ((d.exp() - d - 1) * batch["mask"]).sum() / batch["mask"].sum()
     m = grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), groups, a)
     assert k3 > 1e-3 and m["kl"] == pytest.approx(k3.item(), rel=1e-4)
+    # the other means over the trained tokens (beta > 0: every row): the policy's entropy from its full logits, the
+    # ratio (1: on-policy), the token loss -A_i + beta k3 (clip at r = 1)
+    mask = batch["mask"].bool()
+    with torch.no_grad():
+        pos = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=pos).logits
+        p = logits[:, -C - 1:-1].float().softmax(-1)
+    assert m["policy/entropy"] == pytest.approx(-(p * p.log()).sum(-1)[mask].mean().item(), rel=1e-4)
+    token = -adv_rows(groups, a)[:, None] + 0.1 * (d.exp() - d - 1)
+    assert m["loss/token_mean"] == pytest.approx(token[mask].mean().item(), rel=1e-4, abs=1e-6)
+    assert m["loss/ratio"] == 1 and m["loss/clipfrac_low"] == m["loss/clipfrac_high"] == 0 and m["train/rows"] == 16
     k2 = (d * d / 2 * batch["mask"]).sum() / batch["mask"].sum()
     for kl in ("k2", "k3_ratio"):  # the metric is k3's value whatever --kl trains (README), here not k2's
         m = grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), groups, replace(a, kl=kl))
