@@ -1735,7 +1735,7 @@ def test_every_eos_id_of_the_model_ends_a_completion(eos_dir):
     _, comps, truncated, logps = grpo.generate(model, tok, texts, 8, a)
     for c, cut, lp in zip(comps, truncated, logps):
         ends = [i for i, t in enumerate(c.tolist()) if t in eos]
-        assert ends == ([] if cut else [len(c) - 1]) and len(c) == (12 if cut else len(c)) and len(lp) == len(c)
+        assert ends == ([] if cut else [len(c) - 1]) and (len(c) == 12 or not cut) and len(lp) == len(c)
     ended_by = {c[-1].item() for c, cut in zip(comps, truncated) if not cut}
     assert len(ended_by - {tok.eos_token_id}) >= 3 and sum(truncated) < 8  # the model's other EOS ids end most
 
@@ -2664,15 +2664,15 @@ def test_mixed_pool_run_with_split_grads(eos_dir, tmp_path, extra):
         students, teachers = [r for r in rows if not r["teacher"]], [r for r in rows if r["teacher"]]
         lengths = [r["length"] for r in students]
         assert m["reward/std"] == pytest.approx(statistics.stdev(r["reward"] for r in rows), abs=1e-6)
-        assert m["accuracy"] == statistics.mean(R.correct(r["completion"], answers[r["prompt"]]) for r in students)
+        assert m["accuracy"] == mean(R.correct(r["completion"], answers[r["prompt"]]) for r in students)
         assert m["completion/tokens"] == sum(lengths) and m["completion/max_length"] == max(lengths)
         assert m["completion/mean_length"] == m["completion/mean_length_student"] == pytest.approx(mean(lengths))
         assert m["completion/mean_length_teacher"] == pytest.approx(mean([r["length"] for r in teachers]))
-        assert m["completion/truncated_frac"] == statistics.mean(r["truncated"] for r in students)
+        assert m["completion/truncated_frac"] == mean(r["truncated"] for r in students)
         for name in ("digits", "correct"):
             assert m[f"reward/{name}"] == pytest.approx(mean([r["rewards"][name] for r in students]), abs=1e-6)
         groups = [[r["reward"] for r in rows if r["prompt"] == p] for p in {r["prompt"] for r in rows}]
-        assert m["groups/equal_frac"] == statistics.mean(min(g) == max(g) for g in groups)
+        assert m["groups/equal_frac"] == mean(min(g) == max(g) for g in groups)
     for g in {r["prompt"] for r in samples}:  # G_t = 2 of the pool's 3, drawn without replacement
         for step in (1, 2):
             picks = [r["completion"] for r in samples if r["prompt"] == g and r["step"] == step and r["teacher"]]
@@ -2680,7 +2680,7 @@ def test_mixed_pool_run_with_split_grads(eos_dir, tmp_path, extra):
     teachers = [r for r in samples if r["teacher"]]
     assert {"No idea.", "\\boxed{7}"} <= {r["completion"] for r in teachers}  # any of the three, not the first two
     assert any(r["correct"] for r in teachers) and not all(r["correct"] for r in samples)  # accuracy can tell
-    assert 0 < statistics.mean(r["truncated"] for r in samples if not r["teacher"]) < 1  # and truncated_frac
+    assert 0 < mean(r["truncated"] for r in samples if not r["teacher"]) < 1  # and truncated_frac
 
 
 def test_samples_log_first_group_and_sampled_eval(tiny_dir, tmp_path, capsys):
@@ -3333,9 +3333,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 def test_each_rank_samples_and_draws_teachers_of_its_own_from_one_prompt_order(tiny_dir, tmp_path, monkeypatch):
     """start() as rank 0 and rank 1 of 2 (in this process; no process group is needed for what is compared): the
     ranks start from one LoRA init, read one prompt order (each takes its share of a round from it), and, given the
-    same prompt, sample
-    other completions and draw other teachers from the pool (their random states are seeded apart: --seed + 1000 *
-    rank), the same ones in every run of that seed."""
+    same prompt, sample other completions and draw other teachers from the pool (their random states are seeded
+    apart: --seed + 1000 * rank), the same ones in every run of that seed."""
     data = write(tmp_path / "data.jsonl", [json.dumps({"prompt": f"What is {i} + {i}?", "answer": str(2 * i)})
                                            for i in range(6)])
     pool = write(tmp_path / "pool.jsonl", [json.dumps({"prompt": f"What is {i} + {i}?", "completion": f"c{j}",
