@@ -1403,6 +1403,8 @@ def main(argv=None):
             m = evaluate(run.model, run.tok, run.evals, a, run.rank, run.world, run.sampler)
             if run.rank == 0:
                 run.log.write(json.dumps({"step": 0, **m}) + "\n")
+                if a.wandb_project:  # as every line of the log
+                    sys.modules["wandb"].log({"step": 0, **m}, step=0)
         for step in run.bar:
             run.busy = False  # till the update, a signal stops the run at once
             if run.stop and run.rank == 0:  # one that came as the last step was saved

@@ -2734,6 +2734,22 @@ def test_the_step_s_times_and_throughput_by_a_clock_that_ticks_once_a_reading(ti
         assert 3 * rounds + 1 < seconds < 3 * rounds + 5 and seconds == pytest.approx(round(seconds))
 
 
+def test_wandb_gets_every_line_of_the_metrics_file(tiny_dir, tmp_path, monkeypatch):
+    """--wandb-project: a stand-in wandb module records what it is given: the run's flags, and each line of
+    metrics.jsonl at its step, the evaluation before the first step too."""
+    import importlib.machinery
+    import types
+    wandb, logged = types.ModuleType("wandb"), []
+    wandb.__spec__ = importlib.machinery.ModuleSpec("wandb", None)  # found, as installed
+    wandb.init = lambda project, config: logged.append((project, config["learning_rate"]))
+    wandb.log = lambda m, step: logged.append((m, step))
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    out = str(tmp_path / "out")
+    main(["--model", tiny_dir, "--output-dir", out, "--max-steps", "2", "--wandb-project", "p"] + TINY)
+    assert logged == [("p", 1e-3)] + [(r, r["step"]) for r in metrics(out, with_step_0=True)]
+    assert [r["step"] for r in metrics(out, with_step_0=True)] == [0, 1, 2]
+
+
 def test_a_run_in_which_nothing_trains_says_so_once(tiny_dir, tmp_path, capsys):
     """Equal rewards in every group (no advantage): after 5 such steps in a row, one note saying so, and never again.
     Here steps 5 and 11 alone have unequal rewards (2 calls at start-up, then B x G = 8 a step): steps 6-10 make
