@@ -1813,6 +1813,20 @@ def test_micro_batches_give_the_one_batch_gradient(loaded, agg):
     assert m1["grad/norm"] > 0 and m1["grad/norm"] == pytest.approx(m2["grad/norm"], rel=1e-4)
 
 
+def test_the_gradient_is_clipped_to_max_grad_norm_and_logged_before(loaded):
+    """grad/norm is the step's gradient norm before clipping (the size of SGD(lr=1)'s unclipped update); with
+    --max-grad-norm a quarter of it, the update is a quarter of that one, its norm logged as before."""
+    a, model, tok = loaded
+    a = replace(a, max_grad_norm=0.0, max_new_tokens=6)
+    groups = tiny.fixed_groups(tok, REWARDS, a)
+    full, m = sgd_update(model, a, groups, tok.pad_token_id)
+    norm = math.sqrt(sum((v.double() ** 2).sum().item() for v in full.values()))
+    assert norm > 0 and m["grad/norm"] == pytest.approx(norm, rel=1e-4)
+    clipped, m = sgd_update(model, replace(a, max_grad_norm=norm / 4), groups, tok.pad_token_id)
+    assert_same_update(clipped, {n: v / 4 for n, v in full.items()})
+    assert m["grad/norm"] == pytest.approx(norm, rel=1e-4)
+
+
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
 def test_zero_variance_skip_leaves_the_gradient_unchanged(loaded, agg):
     a, model, tok = loaded
