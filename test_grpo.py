@@ -2748,17 +2748,22 @@ def test_the_step_s_times_and_throughput_by_a_clock_that_ticks_once_a_reading(ti
         assert 3 * rounds + 1 < seconds < 3 * rounds + 5 and seconds == pytest.approx(round(seconds))
 
 
-def test_the_learning_rate_logged_is_the_one_applied(tiny_dir, tmp_path):
+def test_the_learning_rate_logged_and_the_weight_decay_are_the_ones_applied(tiny_dir, tmp_path):
     """AdamW's first update moves a weight by lr · m / (√v + eps) = lr · g / (|g| + eps): by the learning rate where
     its gradient is far above eps. lora_B starts at 0, so after step 1 of a 4-step warm-up its largest entry is the
-    lr logged, 1e-3 / 4 (not the flag's 1e-3)."""
-    out = str(tmp_path / "out")
-    main(["--model", tiny_dir, "--output-dir", out, "--max-steps", "1", "--warmup-steps", "4", "--eval-every", "0"]
-         + TINY + reward_file(tmp_path))
-    lr = metrics(out)[0]["lr"]
-    assert lr == 1e-3 / 4 and metrics(out)[0]["grad/norm"] > 0
-    step = max(v.abs().max().item() for k, v in trained(out).items() if "lora_B" in k)
-    assert step == pytest.approx(lr, rel=1e-3)
+    lr logged, 1e-3 / 4 (not the flag's 1e-3). --weight-decay w adds -lr w θ (decoupled): lora_A, far from 0 at
+    its start, ends that much from where it ends without."""
+    argv = ["--model", tiny_dir, "--max-steps", "1", "--warmup-steps", "4", "--eval-every", "0"] + TINY \
+        + reward_file(tmp_path)
+    main(argv + ["--output-dir", str(tmp_path / "out")])
+    lr = metrics(str(tmp_path / "out"))[0]["lr"]
+    assert lr == 1e-3 / 4 and metrics(str(tmp_path / "out"))[0]["grad/norm"] > 0
+    plain = trained(str(tmp_path / "out"))
+    assert max(v.abs().max().item() for k, v in plain.items() if "lora_B" in k) == pytest.approx(lr, rel=1e-3)
+    main(argv + ["--output-dir", str(tmp_path / "decayed"), "--weight-decay", "0.5"])
+    for k, v in trained(str(tmp_path / "decayed")).items():  # θ_0 = plain + O(lr): 1% of lora_A's entries
+        want = -lr * 0.5 * plain[k] if "lora_A" in k else torch.zeros_like(v)  # lora_B: decays from 0
+        assert torch.allclose(v - plain[k], want, rtol=0.02, atol=1e-9), k
 
 
 def test_wandb_gets_every_line_of_the_metrics_file(tiny_dir, tmp_path, monkeypatch):
