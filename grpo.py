@@ -1335,12 +1335,15 @@ def end_step(run, a: Args, step: int, m: dict, generated: list[dict]) -> bool:
     drawn = run.done["prompts_drawn"] + m["groups/gen_rounds"] * a.prompts_per_step
     run.done = {"step": step, "prompts_drawn": drawn, "rng": all_gather(rng)}
     stopping = bool(all_sum(torch.tensor([float(run.stop)], device=run.device)).item())
+    firsts = sum(all_gather([(g["order"], sample_rows([g], step)) for g in generated[:a.log_samples]]), [])
+    firsts.sort(key=lambda x: x[0])  # --log-samples K: the step's first K groups, of every rank's
+    samples = sum((rows for _, rows in firsts[:a.log_samples]), [])
     if run.rank != 0:
         return stopping
     m = {"step": step, **m, "tokens_per_second": m["completion/tokens"] / (time.time() - run.t0)}
     try:
         run.log.write(json.dumps(m) + "\n")
-        run.samples.writelines(json.dumps(r) + "\n" for r in sample_rows(generated[:a.log_samples], step))
+        run.samples.writelines(json.dumps(r) + "\n" for r in samples)
     except OSError as e:  # a full disk, say
         fail(f"writing step {step}'s metrics failed ({e}); last checkpoint: "
              f"{last_checkpoint(a.output_dir) or 'none'}")
@@ -1395,6 +1398,8 @@ def main(argv=None):
             m = evaluate(run.model, run.tok, run.evals, a, run.rank, run.world, run.sampler)
             if run.rank == 0:
                 run.log.write(json.dumps({"step": 0, **m}) + "\n")
+                if a.wandb_project:  # as every line of the log
+                    sys.modules["wandb"].log({"step": 0, **m}, step=0)
         for step in run.bar:
             run.busy = False  # till the update, a signal stops the run at once
             if run.stop and run.rank == 0:  # one that came as the last step was saved

@@ -26,7 +26,7 @@ MAX_ANSWER = 300  # characters: an answer span longer than this is not one answe
 # ------------------------------------------------------------------------------ extraction
 # A number as written: 1,234,567 | 1234 | 12.5 | .5 (thousands commas only in groups of three)
 _N = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+"
-_ANY_NUMBER = re.compile(rf"[-+]?(?:{_N})(?:\s*/\s*\d+)?")
+_ANY_NUMBER = re.compile(rf"[-+−]?(?:{_N})(?:\s*/\s*\d+)?")  # − (U+2212): clean() makes it -
 # A whole answer that is one number: sign, currency, an optional whole part of a mixed number, a/b,
 # then %, or a unit (a word of 2+ letters, or any word after a space, maybe ^2: '12cm', '5 m^2', not '4a')
 _NUMBER_ANSWER = re.compile(rf"(?P<sign>[-+]?)\s*(?:[$€£¥₹]\s*)?(?:(?P<whole>\d+)\s+(?=\d+\s*/))?(?P<num>{_N})"

@@ -60,6 +60,21 @@ def wide_dir(tmp_path_factory):
     return tiny.make_tiny(str(tmp_path_factory.mktemp("wide") / "model"), layers=1, hidden=64, vocab=151936)
 
 
+@pytest.fixture(scope="session")
+def eos_dir(tmp_path_factory):
+    """The tiny model with several EOS ids in its generation config, as Qwen2.5-Instruct's lists <|im_end|> and
+    <|endoftext|> where its tokenizer names one; here 20 byte tokens too (bytes above 160, never in ASCII text), so
+    that sampled completions end at varied lengths, most of them before T = 12."""
+    from transformers import AutoTokenizer, GenerationConfig
+    path = tiny.make_tiny(str(tmp_path_factory.mktemp("eos") / "model"))
+    tok = AutoTokenizer.from_pretrained(path)
+    high = [i for i, t in enumerate(tok.convert_ids_to_tokens(list(range(len(tok))))) if "¡" <= t <= "ÿ"][:20]
+    assert len(high) == 20 and tok.eos_token == "<|im_end|>"
+    eos = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]) + high
+    GenerationConfig(eos_token_id=eos).save_pretrained(path)
+    return path
+
+
 @pytest.fixture(autouse=True)
 def signal_handlers():
     """grpo.main() installs its own handlers of grpo.STOPS (and tests an alarm): none is left behind; nor is the
@@ -1086,6 +1101,26 @@ ANSWER_STYLES = [
     ("The answer is 3.\nNo, wait: the answer is 4.", "4", True),
     ("The answer is 3.\nNo, wait: the answer is 4.", "3", False),
     ("The answer is 3. No, wait: the answer is 4.", "4", True),  # the last phrase of a line
+    # the less common shapes of each path: signs, fractions, decimals (the last number: no phrase, box or tag)
+    ("first 3, then 4, finally -12", "-12", True),
+    ("first 3, then 4, finally -12", "12", False),
+    ("first 3, then 4, finally \u221212", "-12", True),  # a Unicode minus sign, as models write it
+    ("first 3, then 4, finally \u221212", "12", False),
+    ("so each gets 3/4", "0.75", True),
+    ("so each gets 3/4", "4", False),
+    ("so each gets -3/4", "-0.75", True),
+    ("It went from 5 to -2.5 degrees", "-2.5", True),
+    ("It went from 5 to -2.5 degrees", "2.5", False),
+    ("The answer is -5 apples and 3 pears.", "-5", True),  # a phrase's first number, with its sign
+    ("The answer is -5 apples and 3 pears.", "5", False),
+    ("The answer is 5 apples and 3 pears.", "5", True),
+    ("The answer is 5 apples and 3 pears.", "3", False),
+    ("#### -8", "-8", True),
+    ("#### 8", "-8", False),
+    ("<answer>-2</answer>", "-2", True),
+    ("<answer>2</answer>", "-2", False),
+    ("<answer>3/4</answer>", "0.75", True),
+    ("\\boxed{-12}", "12", False),
 ]
 
 
@@ -1119,7 +1154,10 @@ def test_gsm8k_reference_answer():
     ("  <think>a</think><answer>3</answer>\n", 1.0), ("<think>a</think> trailing <answer>3</answer>", 0.0),
     ("<answer>3</answer>", 0.0), ("<reasoning>a</think><answer>3</answer>", 0.0),
     ("Sure. <think>a</think><answer>3</answer>", 0.0), ("<think>a</think><answer>3</answer> Done.", 0.0),
-    ("<think>a</think><answer>3", 0.0)])
+    ("<think>a</think><answer>3", 0.0),
+    ("<think>\nStep 1: 1 + 2 = 3.\n\nStep 2: done.\n</think>\n<answer>\n3\n</answer>", 1.0),  # thinking on lines
+    ("<reasoning>line 1\nline 2</reasoning><answer>3</answer>", 1.0),
+    ("<think>a\nb</think>\nso <answer>3</answer>", 0.0)])
 def test_format_reward(text, want):
     assert R.r1_format(text, "3") == R.REWARDS["format"](text, "3") == want
 
@@ -1699,9 +1737,29 @@ def test_sampling_ignores_the_model_s_own_generation_defaults(tmp_path):
     assert model.generation_config.eos_token_id == [tok.eos_token_id]
 
 
+def test_every_eos_id_of_the_model_ends_a_completion(eos_dir):
+    """A chat model may end on several tokens (Qwen2.5's generation config lists <|im_end|> and <|endoftext|>, its
+    tokenizer names one): the sampler stops at any of them, and a completion is cut after the first, not truncated,
+    its log-probs as long. One that ran on past such a token would be marked truncated and trained past its end."""
+    a = grpo.parse_args(["--model", eos_dir, "--max-new-tokens", "12"])
+    model, tok, _ = grpo.load_model(a, torch.device("cpu"))
+    from transformers import GenerationConfig
+    eos = GenerationConfig.from_pretrained(eos_dir).eos_token_id
+    assert model.generation_config.eos_token_id == sorted(eos) and len(eos) == 22
+    torch.manual_seed(0)
+    texts = [grpo.chat_prompt(tok, t, a.system_prompt) for t in TEXTS]
+    _, comps, truncated, logps = grpo.generate(model, tok, texts, 8, a)
+    for c, cut, lp in zip(comps, truncated, logps):
+        ends = [i for i, t in enumerate(c.tolist()) if t in eos]
+        assert ends == ([] if cut else [len(c) - 1]) and (len(c) == 12 or not cut) and len(lp) == len(c)
+    ended_by = {c[-1].item() for c, cut in zip(comps, truncated) if not cut}
+    assert len(ended_by - {tok.eos_token_id}) >= 3 and sum(truncated) < 8  # the model's other EOS ids end most
+
+
 def test_kl_reference_is_the_base_model(tiny_dir):
     """KL reference = the adapter disabled (no second copy): train_step's kl metric is k3 against the base
-    model's log-probs, computed here from a separately loaded base model, and not 0."""
+    model's log-probs, computed here from a separately loaded base model, and not 0; and the step's other token
+    means (entropy, ratio, token loss) by hand."""
     a = grpo.parse_args(["--model", tiny_dir, "--beta", "0.1"] + TINY)
     model, tok, ref = grpo.load_model(a, torch.device("cpu"))
     assert ref is None  # LoRA: no second copy
@@ -1720,6 +1778,26 @@ def test_kl_reference_is_the_base_model(tiny_dir):
     k3 = ((d.exp() - d - 1) * batch["mask"]).sum() / batch["mask"].sum()
     m = grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), groups, a)
     assert k3 > 1e-3 and m["kl"] == pytest.approx(k3.item(), rel=1e-4)
+    # the other means over the trained tokens (beta > 0: every row): the policy's entropy from its full logits, the
+    # ratio (1: on-policy), the token loss -A_i + beta k3 (clip at r = 1)
+    mask = batch["mask"].bool()
+    with torch.no_grad():
+        pos = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=pos).logits
+        p = logits[:, -C - 1:-1].float().softmax(-1)
+    assert m["policy/entropy"] == pytest.approx(-(p * p.log()).sum(-1)[mask].mean().item(), rel=1e-4)
+    token = -adv_rows(groups, a)[:, None] + 0.1 * (d.exp() - d - 1)
+    assert m["loss/token_mean"] == pytest.approx(token[mask].mean().item(), rel=1e-4, abs=1e-6)
+    assert m["loss/ratio"] == 1 and m["loss/clipfrac_low"] == m["loss/clipfrac_high"] == 0 and m["train/rows"] == 16
+    k2 = (d * d / 2 * batch["mask"]).sum() / batch["mask"].sum()
+    for kl in ("k2", "k3_ratio"):  # the metric is k3's value whatever --kl trains (README), here not k2's
+        m = grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), groups, replace(a, kl=kl))
+        assert m["kl"] == pytest.approx(k3.item(), rel=1e-4) and k2 != pytest.approx(k3.item(), rel=1e-3)
+    with torch.no_grad():  # at a temperature, both sides' log-probs are of logits / T
+        d = grpo.token_logps(base, batch["input_ids"], batch["attention_mask"], C, 0.5)[0] \
+            - grpo.token_logps(model, batch["input_ids"], batch["attention_mask"], C, 0.5)[0]
+    m = grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), groups, replace(a, temperature=0.5))
+    assert m["kl"] == pytest.approx((((d.exp() - d - 1) * batch["mask"]).sum() / batch["mask"].sum()).item(), rel=1e-4)
 
 
 def sgd_update(model, a, groups, pad_id):
@@ -1749,6 +1827,20 @@ def test_micro_batches_give_the_one_batch_gradient(loaded, agg):
     micro, m2 = sgd_update(model, replace(a, micro_batch_size=3), groups, tok.pad_token_id)
     assert_same_update(whole, micro)
     assert m1["grad/norm"] > 0 and m1["grad/norm"] == pytest.approx(m2["grad/norm"], rel=1e-4)
+
+
+def test_the_gradient_is_clipped_to_max_grad_norm_and_logged_before(loaded):
+    """grad/norm is the step's gradient norm before clipping (the size of SGD(lr=1)'s unclipped update); with
+    --max-grad-norm a quarter of it, the update is a quarter of that one, its norm logged as before."""
+    a, model, tok = loaded
+    a = replace(a, max_grad_norm=0.0, max_new_tokens=6)
+    groups = tiny.fixed_groups(tok, REWARDS, a)
+    full, m = sgd_update(model, a, groups, tok.pad_token_id)
+    norm = math.sqrt(sum((v.double() ** 2).sum().item() for v in full.values()))
+    assert norm > 0 and m["grad/norm"] == pytest.approx(norm, rel=1e-4)
+    clipped, m = sgd_update(model, replace(a, max_grad_norm=norm / 4), groups, tok.pad_token_id)
+    assert_same_update(clipped, {n: v / 4 for n, v in full.items()})
+    assert m["grad/norm"] == pytest.approx(norm, rel=1e-4)
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
@@ -2013,7 +2105,8 @@ def rollout(a, model, tok, fn, pool=None):
 
 def test_the_overlong_penalty_reaches_the_reward(loaded, monkeypatch):
     """--algo dapo: R = the reward + DAPO's overlong penalty of each completion's length in tokens, counting the
-    EOS that ended it (T = 12, L_cache = 4: 0 up to 8 tokens, then (8 - |o|) / 4), by hand."""
+    EOS that ended it (T = 12, L_cache = 4: 0 up to 8 tokens, then (8 - |o|) / 4), by hand. A reward is given the
+    text without the EOS (special tokens skipped) and that length."""
     _, model, tok = loaded
     a = grpo.parse_args(["--algo", "dapo", "--overlong-buffer", "4"] + TINY)
     lengths, cut = [2, 8, 9, 11, 12, 12, 3, 10], [False] * 5 + [True] + [False] * 2
@@ -2024,10 +2117,16 @@ def test_the_overlong_penalty_reaches_the_reward(loaded, monkeypatch):
         return prompts, comps, cut, [torch.zeros(k) for k in lengths]
     monkeypatch.setattr(grpo, "generate", fake_generate)
     stream = grpo.prompt_stream(grpo.arithmetic_task(100, 0), 0)
-    _, _, generated = grpo.rollout(model, tok, stream, [("stub", stub_reward(lambda i: float(i % 2)), 1.0)], None, a)
+    seen = []
+
+    def judge(text, answer, length, **kw):  # 0, 1, 0, 1, ... and what a reward is given
+        seen.append((text, length))
+        return float((len(seen) - 1) % 2)
+    _, _, generated = grpo.rollout(model, tok, stream, [("stub", judge, 1.0)], None, a)
     penalty = [0, 0, -0.25, -0.75, -1, -1, 0, -0.5]
     assert torch.cat([g["rewards"] for g in generated]).tolist() == pytest.approx(
         [i % 2 + p for i, p in enumerate(penalty)])
+    assert seen == [(tok.decode([7] * (k - (not c))), k) for k, c in zip(lengths, cut)]  # the text without its EOS
 
 
 def test_dynamic_sampling_refills_to_b_groups(loaded):
@@ -2401,6 +2500,31 @@ def test_compiled_sampler_reads_this_step_s_weights_and_compiles_once(loaded):
     assert [p.data_ptr() for p in model.parameters()] == ptrs  # updated in place, never swapped
 
 
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_the_sampler_draws_at_its_temperature(loaded, temperature):
+    """Tokens drawn from π_T = softmax(logits / T) have E[log π_T(x_t)] = -H(π_T) at every position, so
+    d_t = log π_T(x_t) + H_t (the trainer's tempered log-prob and entropy there) averages 0, to within a few
+    standard errors over some 380 draws (measured: |z| < 0.3). Drawn at T = 1 and recorded at T (the gap metric
+    then 0), d_t averages -KL(π_1 || π_T) - H(π_1) + H(π_T): z = -34 at T = 0.5, +7 at T = 2 (measured)."""
+    a, model, tok = loaded
+    model = copy.deepcopy(model)
+    with torch.no_grad():  # logits 3 times a random tiny model's (tied to the input embeddings): the temperature
+        model.get_output_embeddings().weight.mul_(3.0)  # shows (entropy 1.2 nats at T = 0.5, 5.5 at T = 2)
+    a = replace(a, temperature=temperature)
+    texts = [grpo.chat_prompt(tok, t, a.system_prompt) for t in TEXTS]
+    torch.manual_seed(0)
+    prompts, comps, _, _ = grpo.generate(model, tok, texts, 16, a)
+    groups = [dict(prompt_ids=p, completions=comps[i * 16:(i + 1) * 16], truncated=[False] * 16, order=i, per_fn={},
+                   is_teacher=[False] * 16, rewards=torch.zeros(16), sampler_logp=[torch.zeros(1)] * 16)
+              for i, p in enumerate(prompts)]
+    b = grpo.collate(groups, tok.pad_token_id, "cpu")
+    with torch.no_grad():
+        logp, entropy = grpo.token_logps(model, b["input_ids"], b["attention_mask"], b["mask"].shape[1], temperature)
+    d = (logp + entropy)[b["mask"].bool()]
+    z = d.mean() / (d.std() / len(d) ** 0.5)
+    assert len(d) > 300 and abs(z) < 4, (len(d), z)
+
+
 def test_tis_weights_each_token_by_the_truncated_ratio(loaded):
     """With sampler = trainer - log 2 at every token, pi_old / pi_sampler = 2: --tis 1.5 scales the whole
     update by 1.5, --tis 3 by 2; teacher rows (no sampler log-prob) keep weight 1."""
@@ -2548,11 +2672,15 @@ def mixed_files(tmp_path, n_prompts=4, relative=False):
 
 
 @pytest.mark.parametrize("extra", [[], ["--dtype", "bf16", "--num-iterations", "2"]])
-def test_mixed_pool_run_with_split_grads(tiny_dir, tmp_path, extra):
+def test_mixed_pool_run_with_split_grads(eos_dir, tmp_path, extra):
+    """The metrics of a step's completions against their values recomputed from samples.jsonl (every group logged);
+    the model ends completions at varied lengths (eos_dir), so a length's mean, max and truncated share differ."""
     out = str(tmp_path / "out")
-    main(["--algo", "drgrpo", "--model", tiny_dir, "--max-steps", "2", "--output-dir", out, "--teacher-per-group",
+    main(["--algo", "drgrpo", "--model", eos_dir, "--max-steps", "2", "--output-dir", out, "--teacher-per-group",
           "2", "--split-grads", "--log-samples", "2"] + TINY + extra + mixed_files(tmp_path) + reward_file(tmp_path))
     samples = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
+    answers = {f"What is {i} + {i}?": str(2 * i) for i in range(4)}  # mixed_files'
+    mean = statistics.mean
     for m in metrics(out):
         ns, nt, cos = m["grad/norm_student"], m["grad/norm_teacher"], m["grad/cos_student_teacher"]
         assert m["grad/norm"] ** 2 == pytest.approx(ns ** 2 + nt ** 2 + 2 * ns * nt * cos, rel=1e-3)
@@ -2562,6 +2690,27 @@ def test_mixed_pool_run_with_split_grads(tiny_dir, tmp_path, extra):
         for key, part in (("reward/mean", rows), ("reward/mean_student", [r for r in rows if not r["teacher"]]),
                           ("reward/mean_teacher", [r for r in rows if r["teacher"]])):  # reward/mean: both sources
             assert m[key] == pytest.approx(sum(r["reward"] for r in part) / len(part), abs=1e-6), key
+        # README's other metrics of the step's completions, each over its rows (the sampled ones, or every one)
+        students, teachers = [r for r in rows if not r["teacher"]], [r for r in rows if r["teacher"]]
+        lengths = [r["length"] for r in students]
+        assert m["reward/std"] == pytest.approx(statistics.stdev(r["reward"] for r in rows), abs=1e-6)
+        assert m["accuracy"] == mean(R.correct(r["completion"], answers[r["prompt"]]) for r in students)
+        assert m["completion/tokens"] == sum(lengths) and m["completion/max_length"] == max(lengths)
+        assert m["completion/mean_length"] == m["completion/mean_length_student"] == pytest.approx(mean(lengths))
+        assert m["completion/mean_length_teacher"] == pytest.approx(mean([r["length"] for r in teachers]))
+        assert m["completion/truncated_frac"] == mean(r["truncated"] for r in students)
+        for name in ("digits", "correct"):
+            assert m[f"reward/{name}"] == pytest.approx(mean([r["rewards"][name] for r in students]), abs=1e-6)
+        groups = [[r["reward"] for r in rows if r["prompt"] == p] for p in {r["prompt"] for r in rows}]
+        assert m["groups/equal_frac"] == mean(min(g) == max(g) for g in groups)
+    for g in {r["prompt"] for r in samples}:  # G_t = 2 of the pool's 3, drawn without replacement
+        for step in (1, 2):
+            picks = [r["completion"] for r in samples if r["prompt"] == g and r["step"] == step and r["teacher"]]
+            assert len(set(picks)) == len(picks)
+    teachers = [r for r in samples if r["teacher"]]
+    assert {"No idea.", "\\boxed{7}"} <= {r["completion"] for r in teachers}  # any of the three, not the first two
+    assert any(r["correct"] for r in teachers) and not all(r["correct"] for r in samples)  # accuracy can tell
+    assert 0 < mean(r["truncated"] for r in samples if not r["teacher"]) < 1  # and truncated_frac
 
 
 def test_samples_log_first_group_and_sampled_eval(tiny_dir, tmp_path, capsys):
@@ -2595,6 +2744,58 @@ def test_samples_log_first_group_and_sampled_eval(tiny_dir, tmp_path, capsys):
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(TIMING + ("eval/",))}  # noqa: E731
                           for r in rows]
     assert strip(metrics(out)) == strip(metrics(plain))
+
+
+def test_the_step_s_times_and_throughput_by_a_clock_that_ticks_once_a_reading(tiny_dir, tmp_path, monkeypatch):
+    """grpo.py's clock replaced by one that moves 1 s each time it is read: time/generate and time/reward add one
+    tick a sampling round (dynamic sampling's refills: a second round), time/train one a step, and
+    tokens_per_second is the step's completion tokens over the step's ticks, those and the few between them."""
+    ticks = itertools.count(1.0)
+    monkeypatch.setattr(grpo, "time", argparse.Namespace(time=lambda: float(next(ticks))))
+    body = "n = 0\ndef r(c, a, **kw):  # step 1's first round all equal: a refill\n    global n\n    n += 1\n" \
+           "    return 0.0 if n <= 10 else n % 2\n"
+    main(["--model", tiny_dir, "--output-dir", str(tmp_path / "out"), "--max-steps", "2", "--algo", "dapo"] + TINY
+         + reward_file(tmp_path, body)[:2])
+    rows = metrics(str(tmp_path / "out"))
+    assert [r["groups/gen_rounds"] for r in rows] == [2, 1]
+    for r in rows:
+        assert r["time/generate"] == r["time/reward"] == r["groups/gen_rounds"] and r["time/train"] == 1
+        seconds, rounds = r["completion/tokens"] / r["tokens_per_second"], r["groups/gen_rounds"]
+        assert 3 * rounds + 1 < seconds < 3 * rounds + 5 and seconds == pytest.approx(round(seconds))
+
+
+def test_the_learning_rate_logged_and_the_weight_decay_are_the_ones_applied(tiny_dir, tmp_path):
+    """AdamW's first update moves a weight by lr · m / (√v + eps) = lr · g / (|g| + eps): by the learning rate where
+    its gradient is far above eps. lora_B starts at 0, so after step 1 of a 4-step warm-up its largest entry is the
+    lr logged, 1e-3 / 4 (not the flag's 1e-3). --weight-decay w adds -lr w θ (decoupled): lora_A, far from 0 at
+    its start, ends that much from where it ends without."""
+    argv = ["--model", tiny_dir, "--max-steps", "1", "--warmup-steps", "4", "--eval-every", "0"] + TINY \
+        + reward_file(tmp_path)
+    main(argv + ["--output-dir", str(tmp_path / "out")])
+    lr = metrics(str(tmp_path / "out"))[0]["lr"]
+    assert lr == 1e-3 / 4 and metrics(str(tmp_path / "out"))[0]["grad/norm"] > 0
+    plain = trained(str(tmp_path / "out"))
+    assert max(v.abs().max().item() for k, v in plain.items() if "lora_B" in k) == pytest.approx(lr, rel=1e-3)
+    main(argv + ["--output-dir", str(tmp_path / "decayed"), "--weight-decay", "0.5"])
+    for k, v in trained(str(tmp_path / "decayed")).items():  # θ_0 = plain + O(lr): 1% of lora_A's entries
+        want = -lr * 0.5 * plain[k] if "lora_A" in k else torch.zeros_like(v)  # lora_B: decays from 0
+        assert torch.allclose(v - plain[k], want, rtol=0.02, atol=1e-9), k
+
+
+def test_wandb_gets_every_line_of_the_metrics_file(tiny_dir, tmp_path, monkeypatch):
+    """--wandb-project: a stand-in wandb module records what it is given: the run's flags, and each line of
+    metrics.jsonl at its step, the evaluation before the first step too."""
+    import importlib.machinery
+    import types
+    wandb, logged = types.ModuleType("wandb"), []
+    wandb.__spec__ = importlib.machinery.ModuleSpec("wandb", None)  # found, as installed
+    wandb.init = lambda project, config: logged.append((project, config["learning_rate"]))
+    wandb.log = lambda m, step: logged.append((m, step))
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    out = str(tmp_path / "out")
+    main(["--model", tiny_dir, "--output-dir", out, "--max-steps", "2", "--wandb-project", "p"] + TINY)
+    assert logged == [("p", 1e-3)] + [(r, r["step"]) for r in metrics(out, with_step_0=True)]
+    assert [r["step"] for r in metrics(out, with_step_0=True)] == [0, 1, 2]
 
 
 def test_a_run_in_which_nothing_trains_says_so_once(tiny_dir, tmp_path, capsys):
@@ -2752,10 +2953,14 @@ def test_resume_continues_the_run_bit_for_bit_from_anywhere(tiny_dir, tmp_path):
     (optimizer, prompt stream with dynamic sampling's refills, torch and python RNG restored), so a run repeats
     itself. The resumed run starts in another directory (the relative paths were saved absolute), gives the
     teacher pool at a new path, and evaluates on more prompts: none of which changes what it trains. The
-    learning rate warms up linearly over 3 steps, then holds (DAPO's warm-up), across the resume too."""
+    learning rate warms up linearly over 3 steps, then holds (DAPO's warm-up), across the resume too. Two of the
+    four prompts score 0 (their groups are dropped where the teacher's pool reward is 0 too): both steps before the
+    stop sample again, so the resumed stream starts 2 rounds of B prompts a step on, not one."""
     common = ["--algo", "dapo", "--model", tiny_dir, "--teacher-per-group", "1", "--max-gen-rounds", "2"] + TINY \
-        + mixed_files(tmp_path, relative=True) + ["--reward-fn", "rw.py:digits", "--warmup-steps", "3"]
-    reward_file(tmp_path)
+        + mixed_files(tmp_path, relative=True) + ["--reward-fn", "rw.py:digits", "--warmup-steps", "3"] \
+        + ["--no-overlong-penalty"]  # (else the lengths' penalties would part every group's rewards)
+    reward_file(tmp_path, "def digits(c, a, prompt, **kw):\n    return 0.0 if prompt in ('What is 0 + 0?', "
+                          "'What is 1 + 1?') else sum(ch.isdigit() for ch in c) / 10\n")
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     main(common + ["--output-dir", straight, "--max-steps", "4"], cwd=tmp_path)
     main(common + ["--output-dir", split, "--max-steps", "2"], cwd=tmp_path)
@@ -2768,6 +2973,7 @@ def test_resume_continues_the_run_bit_for_bit_from_anywhere(tiny_dir, tmp_path):
                                                 f"{split}/metrics.jsonl"
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in steady(rows)]  # noqa
     assert strip(metrics(split)) == strip(metrics(straight)) and len(metrics(split)) == 4
+    assert [r["groups/gen_rounds"] for r in metrics(straight)[:2]] == [2, 2]  # refills before the stop
     assert [r["lr"] for r in metrics(straight)] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3])
     a, b = trained(straight), trained(split)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -2854,14 +3060,25 @@ def test_a_run_started_with_overwrite_resumes_and_a_flag_newer_than_its_checkpoi
 
 def test_resume_from_the_old_checkpoint_and_a_partial_metrics_line(tiny_dir, tmp_path):
     """A save killed between its two renames leaves checkpoint.old/ alone: --resume continues from it. A crash
-    mid-write leaves a partial last metrics line: it is dropped."""
+    mid-write leaves a partial last metrics line: it is dropped. Where both are whole (a save killed before it
+    deleted .old/), the newer, checkpoint/, is the run's: step 2's run is done at --max-steps 2, and goes on to 3."""
     out = str(tmp_path / "out")
     main(["--model", tiny_dir, "--max-steps", "1", "--output-dir", out] + TINY)
+    shutil.copytree(out + "/checkpoint", tmp_path / "step1")
     os.replace(out + "/checkpoint", out + "/checkpoint.old")
     with open(out + "/metrics.jsonl", "a") as f:
         f.write('{"step": 2, "reward/me')
     main(["--output-dir", out, "--resume", "--max-steps", "2"])
     assert [r["step"] for r in metrics(out)] == [1, 2] and not os.path.exists(out + "/checkpoint.old")
+    shutil.copytree(tmp_path / "step1", out + "/checkpoint.old")
+    with pytest.raises(SystemExit) as done:
+        main(["--output-dir", out, "--resume", "--max-steps", "2"])
+    assert done.value.code == 0 and grpo.last_checkpoint(out) == out + "/checkpoint"
+    before = pathlib.Path(out, "metrics.jsonl").read_text()
+    main(["--output-dir", out, "--resume", "--max-steps", "3"])
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3]
+    assert pathlib.Path(out, "metrics.jsonl").read_text().startswith(before)  # step 2 kept, not run again
+    assert [r["step"] for r in metrics(out, with_step_0=True)] == [0, 1, 2, 3]  # the start evaluated once
 
 
 def test_a_damaged_checkpoint_is_named_in_one_line_and_a_whole_old_one_is_used(tiny_dir, tmp_path, capsys):
@@ -3177,6 +3394,37 @@ def test_a_signal_before_the_first_step_ends_saves_nothing_and_says_so(tiny_dir,
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 
 
+def test_each_rank_samples_and_draws_teachers_of_its_own_from_one_prompt_order(tiny_dir, tmp_path, monkeypatch):
+    """start() as rank 0 and rank 1 of 2 (in this process; no process group is needed for what is compared): the
+    ranks start from one LoRA init, read one prompt order (each takes its share of a round from it), and, given the
+    same prompt, sample other completions and draw other teachers from the pool (their random states are seeded
+    apart: --seed + 1000 * rank), the same ones in every run of that seed."""
+    data = write(tmp_path / "data.jsonl", [json.dumps({"prompt": f"What is {i} + {i}?", "answer": str(2 * i)})
+                                           for i in range(6)])
+    pool = write(tmp_path / "pool.jsonl", [json.dumps({"prompt": f"What is {i} + {i}?", "completion": f"c{j}",
+                                                       "reward": j}) for i in range(6) for j in range(6)])
+    one = {"prompt": "What is 1 + 1?", "answer": "2"}  # every group of a round: the same prompt on both ranks
+
+    def draws(rank, out):
+        monkeypatch.setattr(grpo, "setup_distributed", lambda: (rank, 2, torch.device("cpu")))
+        a = grpo.parse_args(["--model", tiny_dir, "--output-dir", str(tmp_path / out), "--dataset", data,
+                             "--teacher-pool", pool, "--teacher-per-group", "3"] + TINY)
+        run = grpo.start(a)
+        order = [next(run.stream)["prompt"] for _ in range(12)]
+        groups = grpo.rollout(run.model, run.tok, itertools.repeat(one), run.reward_fns, run.pool, a, None, rank, 2)[2]
+        for f in (run.bar, run.log, run.samples) if rank == 0 else ():
+            f.close()
+        lora = torch.cat([p.detach().flatten() for p in run.model.parameters() if p.requires_grad]).tolist()
+        return order, [c.tolist() for g in groups for c in g["completions"][:4]], [g["texts"][4:] for g in groups], lora
+    order, samples, teachers, lora = draws(0, "zero")
+    other = draws(1, "one")
+    assert other[3] == lora  # one LoRA init: the gradients are summed over ranks onto the same weights
+    assert other[0] == order == [ex["prompt"] for ex in itertools.islice(grpo.prompt_stream(grpo.load_data(
+        grpo.parse_args(["--dataset", data]))[0], 0), 12)]
+    assert other[1] != samples and set(map(tuple, other[1])).isdisjoint(map(tuple, samples))
+    assert other[2] != teachers and draws(1, "again") == other
+
+
 def test_two_processes_give_the_one_process_update(tiny_dir, tmp_path):
     """Same completions, whole groups split over 2 ranks: the same parameter update as one process,
     for token-mean, seq-mean-token-sum-norm, and seq-mean-token-mean with the per-source split."""
@@ -3209,7 +3457,7 @@ if {straight!r} in sys.argv and os.environ["RANK"] == "1":  # rank 1 copies the 
 
 
 RANKS = """
-import itertools, json, sys
+import dataclasses, itertools, json, sys
 sys.path.insert(0, sys.argv[1])
 import torch
 import grpo
@@ -3249,6 +3497,23 @@ for case, schedule in SCHEDULES.items():
     groups = sum(grpo.all_gather([[g["prompt"], g["rewards"].tolist(), g["adv"].tolist()] for g in kept]), [])
     result[case] = [sorted(groups), {k: v for k, v in stats.items() if k.startswith(("groups/kept", "groups/gen",
                                                                                       "adv/"))}]
+def generate(model, tok, texts, n, a, greedy=False, sampler=None):  # completions set by each prompt's number k
+    rows = [(int(t.split("Question ")[1].split("?")[0]), j) for t in texts for j in range(n)]
+    comps = [tok(f"\\boxed{{{k % 3 if greedy else (k + j) % 2}}}" + " so" * (k % 4 + j), add_special_tokens=False)
+             .input_ids + [tok.eos_token_id] * ((k + j) % 3 > 0) for k, j in rows]  # (k + j) % 3 == 0: truncated
+    prompts = [tok(t, add_special_tokens=False, return_tensors="pt").input_ids[0] for t in texts]
+    odd = [places.index(f"Question {k}?") % 2 for k, _ in rows]  # its place in a round: odd on rank 1 of 2
+    return (prompts, [torch.tensor(c) for c in comps], [(k + j) % 3 == 0 for k, j in rows],
+            [torch.full((len(c),), -30.0 * o) for o, c in zip(odd, comps)])  # the sampler's: 30 nat off on rank 1
+def graded(completion, answer, prompt, **kw):  # prompts 3, 6, ...: an equal-reward group
+    return 0.5 if int(prompt.split()[1][:-1]) % 3 == 0 else float(grpo.is_correct(completion, answer))
+grpo.generate = generate  # every rank's rows in the step's metrics and in the evaluation, as one process has them
+places = [ex["prompt"] for ex in itertools.islice(grpo.prompt_stream(train, a.seed), 40)]
+kept, stats, _ = grpo.rollout(model, tok, grpo.prompt_stream(train, a.seed), [("graded", graded, 1.0)], None, a, None,
+                              rank, world)
+stats.update(grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), kept, a))
+result["metrics"] = {k: v for k, v in stats.items() if not k.startswith("time/")}
+result["eval"] = grpo.evaluate(model, tok, train[:10], dataclasses.replace(a, eval_samples=2), rank, world)
 if rank == 0:
     json.dump(result, open(out + ".json", "w"))
 if world > 1:
@@ -3259,7 +3524,9 @@ if world > 1:
 def test_two_processes_filter_as_one_and_refuse_what_they_cannot_run(tiny_dir, tmp_path):
     """Dynamic sampling (kept groups counted over the ranks), top-k over every rank's groups and soft reweighting
     by the largest std among them: a rollout on 2 ranks keeps the groups that one process keeps, with the same
-    advantages (rewards set by each prompt's place in the data order, whatever was sampled). And under torchrun,
+    advantages (rewards set by each prompt's place in the data order, whatever was sampled); with completions set
+    by each prompt (a stub of the sampler), every metric of the step (rollout's, train_step's) and of the evaluation
+    is the one process's, from every rank's rows (rank 0's alone give others). And under torchrun,
     --resume of a one-process run and a --prompts-per-step that does not divide over the ranks are refused in
     one line, before anything is written."""
     data = write(tmp_path / "data.jsonl", [json.dumps({"prompt": f"Question {i}?", "answer": "1"}) for i in range(40)])
@@ -3287,6 +3554,12 @@ def test_two_processes_filter_as_one_and_refuse_what_they_cannot_run(tiny_dir, t
             sum((g[2] for g in x[0]), []) == pytest.approx(sum((g[2] for g in y[0]), []), rel=1e-5)
     assert same(two["exact"], one["exact"]), (two["exact"], one["exact"])
     assert same(two["overshoot"], one["overshoot"]), (two["overshoot"], one["overshoot"])  # the cut to B
+    # completions set by each prompt (a sampler stub): every metric of the step and the evaluation is one process's
+    assert two["metrics"] == pytest.approx(one["metrics"], rel=1e-5) and len(one["metrics"]) == 25, one["metrics"]
+    assert two["eval"] == pytest.approx(one["eval"]) and one["eval"]["eval/accuracy"] == 0.3  # k % 3 == 1 of 0-9
+    m = one["metrics"]
+    assert 0 < m["groups/equal_frac"] < 1 and 0 < m["accuracy"] < 1 and 0 < m["completion/truncated_frac"] < 1
+    assert m["sampler/logp_gap_max"] > 20 and m["train/rows"] == 6  # the largest gap: on rank 1
 
 
 def test_two_processes_mixed_pool_refill_sigterm_and_resume(tiny_dir, tmp_path):
@@ -3300,7 +3573,7 @@ def test_two_processes_mixed_pool_refill_sigterm_and_resume(tiny_dir, tmp_path):
     (tmp_path / "rw.py").write_text(TWO_RANKS_REWARD.format(straight=straight, left=str(left)))
     args = [os.path.join(HERE, "grpo.py"), "--algo", "dapo", "--model", tiny_dir, "--teacher-per-group", "2",
             "--split-grads", "--max-gen-rounds", "2", "--max-steps", "3", "--rewards", "correct"] + TINY \
-        + ["--eval-every", "0"] + mixed_files(tmp_path)
+        + ["--eval-every", "0", "--log-samples", "4"] + mixed_files(tmp_path)  # every group of 2 rounds of B = 2
     subprocess.run(TORCHRUN + args + ["--reward-fn", f"{tmp_path}/rw.py:r", "--output-dir", straight], cwd=HERE,
                    check=True, capture_output=True)
     args += held_judge(tmp_path, split, after=1)  # once step 1 is logged, step 2's rollout is held
@@ -3308,6 +3581,16 @@ def test_two_processes_mixed_pool_refill_sigterm_and_resume(tiny_dir, tmp_path):
     rows = metrics(straight)
     assert [r["step"] for r in rows] == [1, 2, 3]  # one file, written by rank 0 alone
     assert all(r["groups/kept"] <= 2 and "grad/cos_student_teacher" in r for r in rows if r["groups/kept"])
+    samples = [json.loads(line) for line in open(straight + "/samples.jsonl")]
+    answers = {f"What is {i} + {i}?": str(2 * i) for i in range(4)}  # mixed_files'
+    for m in rows:  # every rank's completions logged, and the step's metrics are theirs (not rank 0's alone)
+        step = [r for r in samples if r["step"] == m["step"]]
+        students = [r for r in step if not r["teacher"]]
+        assert len(step) == m["groups/gen_rounds"] * 2 * (4 + 2) and len({r["prompt"] for r in step}) > 1
+        assert m["reward/mean"] == pytest.approx(statistics.mean(r["reward"] for r in step), abs=1e-6)
+        assert m["reward/mean_teacher"] == pytest.approx(statistics.mean(r["reward"] for r in step if r["teacher"]))
+        assert m["completion/tokens"] == sum(r["length"] for r in students)
+        assert m["accuracy"] == statistics.mean(R.correct(r["completion"], answers[r["prompt"]]) for r in students)
     (tmp_path / "hold").touch()
     p = background(tmp_path, TORCHRUN + args + ["--output-dir", split])
     try:
@@ -3324,6 +3607,7 @@ def test_two_processes_mixed_pool_refill_sigterm_and_resume(tiny_dir, tmp_path):
     assert step == metrics(split)[-1]["step"] == 1
     cli(["--output-dir", split, "--resume"], cmd=TORCHRUN)
     assert steady(metrics(split)) == steady(rows)
+    assert [json.loads(line) for line in open(split + "/samples.jsonl")] == samples  # every rank's, as they were
     a, b = trained(straight), trained(split)
     assert all(torch.equal(a[k], b[k]) for k in a)
 
