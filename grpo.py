@@ -90,7 +90,7 @@ class Args:
     wandb_project: str = flag("", "log to this wandb project too (needs wandb installed)")
     log_samples: int = flag(0, "groups a step written to samples.jsonl: texts, rewards, advantages")
     dataset: str = flag("", "JSONL (prompt/answer or GSM8K lines) or a NAME[:CONFIG][@SPLIT] dataset")  # data
-    eval_dataset: str = flag("", "held-out prompts, as --dataset (its split: test); '': the built-in task's")
+    eval_dataset: str = flag("", "held-out prompts, as --dataset (split: test); '': built-in task's or none")
     max_samples: int = flag(0, "train on the first N examples only (0: all)")
     eval_every: int = flag(50, "steps between evaluations, also before the first and at the last (0: none)")
     eval_prompts: int = flag(64, "held-out prompts an evaluation", bounds="(0, inf)")
@@ -161,7 +161,7 @@ class Args:
 PATHS = ("model", "dataset", "eval_dataset", "reward_fn", "teacher_pool")  # RESUMABLE: may change on --resume
 RESUMABLE = {"resume", "overwrite", "output_dir", "max_steps", "save_every", "eval_every", "eval_prompts",
              "eval_samples", "log_samples", "wandb_project", "compile_generate", "dry_run", *PATHS,
-             "micro_batch_size", "gradient_checkpointing"}  # memory only: the same update, in another order
+             "micro_batch_size", "gradient_checkpointing"}  # memory only (clip_cov, kl_cov: per micro-batch)
 
 def parse_args(argv=None) -> Args:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], argument_default=argparse.SUPPRESS)
@@ -247,7 +247,8 @@ def check_args(a: Args):
         (a.surrogate in ("gmpo", "vespo") and a.ratio == "sequence", "--surrogate gmpo and vespo take token "
          "ratios (their own mean and product over o_i): drop --ratio sequence"),
         (a.tis and a.tis_min >= a.tis, "--tis-min must be below --tis (the floor and the cap of w)"),
-        (a.dataset == "" and a.eval_prompts > HELD_OUT, f"--eval-prompts: the built-in task has {HELD_OUT}"),
+        (a.dataset == a.eval_dataset == "" and a.eval_prompts > HELD_OUT, f"--eval-prompts: the built-in "
+         f"task has {HELD_OUT}"),
         (not a.rewards.strip(", ") and not a.reward_fn, "no reward: give --rewards and/or --reward-fn"),
         (a.wandb_project and not importlib.util.find_spec("wandb"), "--wandb-project: `pip install wandb`")]
     for bad, msg in checks:
@@ -349,7 +350,7 @@ def load_data(a: Args, reward_fns=()) -> tuple[list[dict], list[dict]]:
     evals = []
     if a.dataset == "":
         train = arithmetic_task(20000, a.seed)
-        evals = arithmetic_task(a.eval_prompts, 0, held_out=True)
+        evals = [] if a.eval_dataset else arithmetic_task(a.eval_prompts, 0, held_out=True)
     else:
         train = load_examples(a.dataset, "train", graded, reward_fns)
     if a.eval_dataset:
@@ -541,7 +542,7 @@ def build_rewards(a: Args) -> list[tuple[str, object, float]]:
         fail("--rewards and --reward-fn name a reward twice: rename the function, or list the reward once")
     for i, (name, fn, weight) in enumerate(fns):  # a reward that takes max_length gets T (rewards.cosine)
         if "max_length" in inspect.signature(fn).parameters:
-            fns[i] = (name, functools.partial(fn, max_length=a.max_new_tokens), weight)
+            fns[i] = (name, functools.wraps(fn)(functools.partial(fn, max_length=a.max_new_tokens)), weight)
     return fns
 
 def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns, a: Args):
@@ -812,26 +813,14 @@ def step_terms(s: dict, a: Args):
 
 # ----------------------------------------------------------------------------- the token loss
 def policy_loss(logp, old_logp, adv, mask, a: Args):
-    """Per-token policy loss (N, C), each choice a flag; adv (N, 1), or (N, C) per token. Diagnostics (N, C)
-    by name: the ratio, where it left [1 - eps_low, 1 + eps_high] on the side that matters (below with A < 0,
-    above with A > 0), where dual-clip bound; --dry-run's words. With old_logp = logp.detach() (r = 1) every
-    choice's gradient is -A grad log pi (clip_cov's: none at its drawn tokens).
-      ratio      token: r_t = pi / pi_old                                PPO, GRPO
-                 sequence: s_i = exp(mean_t log r_t) at every token       GSPO (2507.18071) eq. 7, its loss
-                 with seq-mean-token-mean (eps 3e-4 / 4e-4); LUSPO (2602.05261) with seq-mean-token-sum
-      surrogate  clip: -min(r A, clip(r, 1-eps_low, 1+eps_high) A)       PPO; DAPO §3.1 clip-higher
-                 cispo: -sg(clip(r, 1-eps_low, 1+eps_high)) A log pi      MiniMax-M1 (2506.13585) eq. 4
-                 sapo: -(4/tau) sigmoid(tau (r - 1)) A, tau by A's sign   SAPO (2511.20347)
-                 gmpo: -A exp(mean_t log r_t clipped on A's side),        GMPO (2507.20673), verl's geo_mean,
-                 eps in log space (the paper's 0.4)                       with seq-mean-token-mean
-                 vespo: -sg(w^k e^(lam (1-w))) A log pi, w = prod_t r_t   VESPO (2602.10693), TRL's k, lam
-                 clip_cov, kl_cov: cov_loss                               Clip-Cov, KL-Cov (2505.22617 §4.3)
-      dual_clip  c: where A < 0 the loss is at most c |A|; if c >=        Dual-clip PPO (1912.09729),
-                 1 + eps_high, the same as r clamped at c there           verl's clip_ratio_c"""
+    """Per-token policy loss (N, C), or gmpo's (N, 1), its paper beside each choice; adv (N, 1), or (N, C).
+    Diagnostics (N, C) by name: the ratio, where it left [1 - eps_low, 1 + eps_high] on the side that matters
+    (below with A < 0, above with A > 0), where dual-clip bound; --dry-run's words. With old_logp =
+    logp.detach() (r = 1) every choice's gradient is -A grad log pi (clip_cov's: none at its drawn tokens)."""
     log_ratio = torch.where(mask != 0, logp - old_logp, 0)  # (N, C)
     log_r = log_ratio
     words = {"r": "π_θ/π_old per token"}
-    if a.ratio == "sequence":
+    if a.ratio == "sequence":  # GSPO (2507.18071) eq. 7 (seq-mean-token-mean); LUSPO (2602.05261)
         log_r = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (N, 1)
         words["r"] = "s_i = exp(mean_t log π_θ/π_old)"
     ratio = torch.exp(log_r).expand_as(logp)
@@ -839,15 +828,15 @@ def policy_loss(logp, old_logp, adv, mask, a: Args):
     clip = f"clip(r, 1-{a.eps_low:g}, 1+{a.eps_high:g})"
     diag = {"loss/ratio": ratio.detach(), "loss/clipfrac_low": (ratio < 1 - a.eps_low) & (adv < 0),
             "loss/clipfrac_high": (ratio > 1 + a.eps_high) & (adv > 0)}
-    if a.surrogate == "cispo":
+    if a.surrogate == "cispo":  # MiniMax-M1 (2506.13585) eq. 4
         loss = -clipped.detach() * adv * logp
         words["ℓ"] = f"-sg({clip})·A_i·log π_θ"
-    elif a.surrogate == "gmpo":  # the mean over o_i's tokens of A != 0 (--top-entropy-quantile drops some)
+    elif a.surrogate == "gmpo":  # GMPO (2507.20673), verl's geo_mean; its mean skips tokens whose A is 0
         kept = (mask != 0) & (adv != 0)
         log_r = torch.where(adv > 0, log_ratio.clamp(max=a.eps_high), log_ratio.clamp(min=-a.eps_low)) * kept
         loss = -adv * torch.exp(log_r.sum(-1, keepdim=True) / kept.sum(-1, keepdim=True).clamp(min=1))
         words["ℓ"] = f"-A_i·exp(mean_t clip(log r_t, -{a.eps_low:g}, {a.eps_high:g}) on A_i's side)"
-    elif a.surrogate == "vespo":
+    elif a.surrogate == "vespo":  # VESPO (2602.10693), TRL's k and λ
         log_w = log_ratio.detach().clamp(-20, 20).sum(-1, keepdim=True).clamp(math.log(1e-8), 20)  # (N, 1)
         k = torch.where(adv >= 0, 2.0, 3.0)
         lam = torch.where(adv >= 0, 3.0, 2.0)
@@ -855,14 +844,14 @@ def policy_loss(logp, old_logp, adv, mask, a: Args):
         words["ℓ"] = "-sg(w^k e^(λ(1-w)))·A_i·log π_θ (w = Π_t r_t; k, λ = 2, 3, or 3, 2 if A_i < 0)"
     elif a.surrogate in ("clip_cov", "kl_cov"):
         loss, words["ℓ"] = cov_loss(ratio, clipped, log_ratio, logp, adv, mask, a)
-    elif a.surrogate == "sapo":
+    elif a.surrogate == "sapo":  # SAPO (2511.20347)
         tau = torch.where(adv > 0, a.sapo_tau_pos, a.sapo_tau_neg)
         loss = -(4 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv
         words["ℓ"] = f"-4/τ·σ(τ(r-1))·A_i (τ = {a.sapo_tau_pos:g} if A_i > 0 else {a.sapo_tau_neg:g})"
-    else:
+    else:  # PPO's clip; DAPO §3.1 clip-higher: eps_high > eps_low
         loss = -torch.min(ratio * adv, clipped * adv)
         words["ℓ"] = f"-min(r·A_i, {clip}·A_i)"
-    if a.dual_clip:
+    if a.dual_clip:  # Dual-clip PPO (1912.09729), verl's clip_ratio_c: for c ≥ 1 + eps_high, r clamped at c
         diag["loss/dual_clipfrac"] = (adv < 0) & (loss > -a.dual_clip * adv)
         loss = torch.where(adv < 0, torch.minimum(loss, -a.dual_clip * adv), loss)
         words["ℓ"] = f"min({words['ℓ']}, {a.dual_clip:g}·|A_i| if A_i < 0)"
@@ -870,9 +859,8 @@ def policy_loss(logp, old_logp, adv, mask, a: Args):
 
 def cov_loss(ratio, clipped, log_ratio, logp, adv, mask, a: Args):
     """Clip-Cov and KL-Cov (2505.22617 §4.3), as verl's, over a micro-batch's tokens: per token, cov =
-    (A - mean A)(log pi - mean log pi), and n = max(1, cov_ratio x tokens) are selected; the loss, its words.
-      clip_cov  the clip loss, and none at n tokens drawn among the unclipped of cov_low < cov < cov_high
-      kl_cov    -r A, and + cov_kl_coef |log r| at the n tokens of largest cov"""
+    (A - mean A)(log pi - mean log pi), and n = max(1, cov_ratio x tokens) are selected; the loss, its words
+    (which say what each does with them)."""
     m = mask != 0
     cov = (adv - adv.expand_as(logp)[m].mean()) * (logp - logp[m].mean()).detach()  # (N, C)
     n = max(1, int(a.cov_ratio * m.sum()))
@@ -883,7 +871,7 @@ def cov_loss(ratio, clipped, log_ratio, logp, adv, mask, a: Args):
         clip = f"clip(r, 1-{a.eps_low:g}, 1+{a.eps_high:g})"
         return loss, (f"-min(r·A_i, {clip}·A_i) (0 at {a.cov_ratio:g} of the tokens, drawn where "
                       f"{a.cov_low:g} < cov(A, log π) < {a.cov_high:g})")
-    top = cov.where(m, -math.inf).flatten().topk(n).indices
+    top = cov.where(m, -math.inf).flatten().topk(n).indices  # kl_cov
     picked = torch.zeros_like(logp).flatten().index_fill(0, top, 1).view_as(logp)
     words = f"(-r·A_i + {a.cov_kl_coef:g}·|log r| at the top {a.cov_ratio:g} of tokens by cov(A, log π))"
     return -ratio * adv + a.cov_kl_coef * picked * log_ratio.abs(), words
@@ -911,22 +899,18 @@ def kl_penalty(logp, ref_logp, kind: str = "k3", old_logp=None):
 def aggregate_loss(loss, mask, mode: str, max_len: int, n_seqs=None, n_tokens=None):
     """Token losses (N, C) -> scalar, with verl's names, and --dry-run's words. n_seqs / n_tokens: the
     normalisers of the WHOLE step (every micro-batch and rank; default: this batch's); a sequence with no loss
-    token counts in neither.
-      token-mean               Σ_i Σ_t l / Σ_i |o_i|                DAPO §3.3
-      seq-mean-token-mean      Σ_i (Σ_t l / |o_i|) / n_seq          GRPO (2402.03300) eq. 3
-      seq-mean-token-sum       Σ_i Σ_t l / n_seq                    Dr. GRPO+ soft (no paper)
-      seq-mean-token-sum-norm  Σ_i Σ_t l / (n_seq * max_len)        Dr. GRPO, max_len = T"""
+    token counts in neither."""
     n_seqs = (mask.sum(-1) > 0).sum() if n_seqs is None else n_seqs
     n_tokens = mask.sum() if n_tokens is None else n_tokens
     per_seq = torch.where(mask != 0, loss * mask, 0).sum(-1)  # (N,); a NaN or inf past EOS must not leak in
-    if mode == "token-mean":
+    if mode == "token-mean":  # DAPO §3.3
         return per_seq.sum() / max(n_tokens, 1), "Σ_i Σ_t ℓ_i,t / Σ_i |o_i|"
-    if mode == "seq-mean-token-mean":
+    if mode == "seq-mean-token-mean":  # GRPO (2402.03300) eq. 3
         per_seq = per_seq / mask.sum(-1).clamp(min=1)
         return per_seq.sum() / max(n_seqs, 1), "Σ_i (Σ_t ℓ_i,t / |o_i|) / n_seq"
-    if mode == "seq-mean-token-sum":
+    if mode == "seq-mean-token-sum":  # Dr. GRPO+ soft (no paper)
         return per_seq.sum() / max(n_seqs, 1), "Σ_i Σ_t ℓ_i,t / n_seq"
-    return per_seq.sum() / (max(n_seqs, 1) * max_len), f"Σ_i Σ_t ℓ_i,t / (n_seq·{max_len})"
+    return per_seq.sum() / (max(n_seqs, 1) * max_len), f"Σ_i Σ_t ℓ_i,t / (n_seq·{max_len})"  # Dr. GRPO
 
 def token_objective(logp, entropy, b: dict, a: Args):
     """A micro-batch's per-token loss ℓ (N, C) before aggregation, its terms in --dry-run's order, each
@@ -958,7 +942,7 @@ def token_objective(logp, entropy, b: dict, a: Args):
         w = torch.where(inside, w, 0) if a.tis_mode.endswith("mask") else w.clamp(a.tis_min, a.tis)
         loss = loss * torch.where(known, w, 1)  # teacher rows (no sampler): 1
         words["ℓ"] = f"({words['ℓ']})·{a.tis_mode}(π_old/π_sampler, [{a.tis_min:g}, {a.tis:g}])"
-    diag["kl"] = torch.zeros_like(logp)  # k3's value, KL(pi || ref), whatever --kl trains; 0, no reference
+    diag["kl"] = torch.zeros_like(logp)  # k3's value, KL(pi || ref), whatever --kl trains; 0 without --beta
     if a.beta:  # KL only where the mask is on: past EOS, exp(ref - logp) can overflow, its gradient be NaN
         ref = torch.where(b["mask"] > 0, b["ref_logp"], logp.detach())
         loss = loss + a.beta * kl_penalty(logp, ref, a.kl, old_logp)
@@ -973,7 +957,7 @@ def token_objective(logp, entropy, b: dict, a: Args):
 
 # ----------------------------------------------------------------------------- the step
 def probe(a: Args):
-    """The step's terms on made-up numbers (a group of G rows of 3 tokens, off-policy: r != 1), no model: the
+    """The step's terms on made-up numbers (a group of G rows of 3 tokens, every input made up), no model: the
     step inputs they read (computed for a step then, and only then), whether equal-reward groups are skipped
     (--skip-zero-variance, and ∇ℓ = 0 where A = 0: skipping them changes nothing), and the words each term
     wrote for --dry-run."""
@@ -1059,7 +1043,7 @@ def train_step(model, ref_model, opt, groups: list[dict], a: Args) -> dict:
         opt.zero_grad(set_to_none=True)
     out.update({k: total[k] / total["n:" + k] for k in total if total.get("n:" + k)})
     if total.get("n:sampler/logp_gap"):  # the sampler's health check at its worst token
-        out["sampler/logp_gap_max"] = max(d["max:sampler/logp_gap"] for d in every)
+        out["sampler/logp_gap_max"] = max(d.get("max:sampler/logp_gap", -math.inf) for d in every)
     return {**stats, **out, "loss": total["loss"], "train/rows": total["train/rows"]}
 
 def edit_source_grads(grads: dict, params: list, a: Args) -> dict:
@@ -1106,7 +1090,7 @@ def evaluate(model, tok, examples: list[dict], a: Args, rank: int = 0, world: in
         if k:
             sampled = n_correct(k)
             out[f"eval/mean@{k}"] = sum(sampled) / (k * len(sampled))
-            for j in sorted({k} | {2 ** e for e in range(1, k.bit_length())} - {1}):
+            for j in sorted({k} | {2 ** e for e in range(1, k.bit_length())}):
                 out[f"eval/pass@{j}"] = sum(pass_at_k(k, c, j) for c in sampled) / len(sampled)
     return out
 

@@ -932,6 +932,14 @@ def test_the_built_in_task_holds_out_problems_not_wordings():
     assert grpo.load_data(grpo.parse_args(["--eval-prompts", "8"]))[0] == train  # training never depends on it
 
 
+def test_the_built_in_task_beside_an_eval_dataset_larger_than_its_held_out_part(tmp_path):
+    """--eval-dataset replaces the built-in held-out problems: --eval-prompts may exceed their 2900 then (it
+    was refused, and the held-out problems built for nothing: 5000 would never have ended)."""
+    data = write(tmp_path / "e.jsonl", [f'{{"prompt": "{i} + 1?", "answer": "{i + 1}"}}' for i in range(3000)])
+    train, evals = grpo.load_data(grpo.parse_args(["--eval-dataset", data, "--eval-prompts", "5000"]))
+    assert len(train) == 20000 and [e["answer"] for e in evals] == [str(i + 1) for i in range(3000)]
+
+
 @pytest.mark.parametrize("pad", [2, 0])  # pad == eos, pad != eos
 def test_completion_mask_keeps_first_eos(pad):
     eos = 2
@@ -1274,6 +1282,9 @@ def test_which_rewards_read_the_answer_is_marked_on_the_reward(tmp_path):
         with pytest.raises(SystemExit, match="d.jsonl:1: each line needs a prompt .* and an answer"):
             grpo.load_data(grpo.parse_args(["--dataset", data]), [("f", fn, 1.0)])
     assert not getattr(R.r1_format, "reads_answer", False)
+    cosine = grpo.build_rewards(grpo.parse_args(["--rewards", "cosine"]))  # bound to T, still marked
+    with pytest.raises(SystemExit, match="d.jsonl:1: each line needs a prompt .* and an answer"):
+        grpo.load_data(grpo.parse_args(["--dataset", data]), cosine)
 
 
 def test_custom_reward_alone_unless_rewards_given(tmp_path):
@@ -1798,6 +1809,24 @@ def test_kl_reference_is_the_base_model(tiny_dir):
             - grpo.token_logps(model, batch["input_ids"], batch["attention_mask"], C, 0.5)[0]
     m = grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), groups, replace(a, temperature=0.5))
     assert m["kl"] == pytest.approx((((d.exp() - d - 1) * batch["mask"]).sum() / batch["mask"].sum()).item(), rel=1e-4)
+
+
+def test_a_rank_with_no_row_to_train_leaves_the_step_s_metrics_to_the_others(loaded, monkeypatch):
+    """Under torchrun a rank may train no row (it kept no group, or only equal-reward ones, skipped) while
+    another does: the step's token means and the sampler gap's worst token are the other ranks'. Here the
+    gather of the step's sums gets a second, empty rank's beside this one's."""
+    a, model, tok = loaded
+    groups = tiny.fixed_groups(tok, [[0, 1, 0, 1], [1, 0, 0, 0]], a)
+    for g in groups:  # the sampler's log-probs, known
+        g["sampler_logp"] = [torch.full((len(c),), -3.0) for c in g["completions"]]
+    alone = grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), groups, a)
+    real = grpo.all_gather
+    def with_an_empty_rank(obj):  # the sums of a rank whose chunk loop never ran
+        return [obj, {"loss": 0.0, "train/rows": 0}] if isinstance(obj, dict) and "loss" in obj else real(obj)
+    monkeypatch.setattr(grpo, "all_gather", with_an_empty_rank)
+    m = grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), groups, a)
+    assert alone["sampler/logp_gap_max"] > alone["sampler/logp_gap"] > 0
+    assert m.keys() == alone.keys() and all(m[k] == alone[k] for k in alone if not k.startswith("time"))
 
 
 def sgd_update(model, a, groups, pad_id):
