@@ -2728,6 +2728,7 @@ def test_mixed_pool_run_with_split_grads(eos_dir, tmp_path, extra):
         assert m["completion/mean_length"] == m["completion/mean_length_student"] == pytest.approx(mean(lengths))
         assert m["completion/mean_length_teacher"] == pytest.approx(mean([r["length"] for r in teachers]))
         assert m["completion/truncated_frac"] == mean(r["truncated"] for r in students)
+        assert all(r["length"] == 12 for r in students if r["truncated"])  # each row's own: cut ones ran to T
         for name in ("digits", "correct"):
             assert m[f"reward/{name}"] == pytest.approx(mean([r["rewards"][name] for r in students]), abs=1e-6)
         groups = [[r["reward"] for r in rows if r["prompt"] == p] for p in {r["prompt"] for r in rows}]
