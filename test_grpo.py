@@ -2830,9 +2830,9 @@ def test_wandb_gets_every_line_of_the_metrics_file(tiny_dir, tmp_path, monkeypat
 
 def test_a_run_in_which_nothing_trains_says_so_once(tiny_dir, tmp_path, capsys):
     """Equal rewards in every group (no advantage): after 5 such steps in a row, one note saying so, and never again.
-    Here steps 5 and 11 alone have unequal rewards (2 calls at start-up, then B x G = 8 a step): steps 6-10 make
-    five in a row, and 12-16 would make five again."""
-    body = "n = 0\ndef r(c, a, **kw):\n    global n\n    n += 1\n    return float((34 < n <= 42 or 82 < n <= 90) " \
+    Here steps 5 and 11 alone have a group of unequal rewards, their first (2 calls at start-up, then B x G = 8 a
+    step): steps 6-10 make five in a row, and 12-16 would make five again; one group of two is not "every"."""
+    body = "n = 0\ndef r(c, a, **kw):\n    global n\n    n += 1\n    return float((34 < n <= 38 or 82 < n <= 86) " \
            "and n % 2)\n"
     main(["--model", tiny_dir, "--output-dir", str(tmp_path / "out"), "--max-steps", "16"] + TINY
          + ["--eval-every", "0"] + reward_file(tmp_path, body)[:2])
@@ -2840,7 +2840,7 @@ def test_a_run_in_which_nothing_trains_says_so_once(tiny_dir, tmp_path, capsys):
     assert notes == ["grpo: note: equal rewards in every group at steps 6-10, so the rewards teach nothing: try a "
                      "denser reward, a stronger model or easier prompts (--log-samples 1 shows them)"]
     equal = [r["groups/equal_frac"] for r in metrics(str(tmp_path / "out"))]
-    assert equal == [1.0] * 4 + [0.0] + [1.0] * 5 + [0.0] + [1.0] * 5
+    assert equal == [1.0] * 4 + [0.5] + [1.0] * 5 + [0.5] + [1.0] * 5
 
 
 def test_tiny_py_builds_a_model_from_the_command_line(tmp_path, monkeypatch, capsys):
