@@ -957,8 +957,8 @@ def token_objective(logp, entropy, b: dict, a: Args):
 
 # ----------------------------------------------------------------------------- the step
 def probe(a: Args):
-    """The step's terms on made-up numbers (a group of G rows of 3 tokens, every input made up), no model: the
-    step inputs they read (computed for a step then, and only then), whether equal-reward groups are skipped
+    """The step's terms on made-up numbers (a group of G rows of 3 tokens), no model: the step inputs they
+    read (computed for a step then, and only then), whether equal-reward groups are skipped
     (--skip-zero-variance, and ∇ℓ = 0 where A = 0: skipping them changes nothing), and the words each term
     wrote for --dry-run."""
     G = a.num_generations + a.teacher_per_group
