@@ -1,7 +1,8 @@
-"""The GPU check, in one command: every preset, the mixed pool, QLoRA, full fine-tuning and a one-process
-torchrun (nccl), a few steps each in bf16 on a random model of Qwen2.5-0.5B's shape (24 layers, vocab
-151,936), with the compiled sampler (QLoRA samples uncompiled: bitsandbytes' layers do not compile), then
-bench/speed.py --device cuda against TRL. Prints one table; the sampler's log-prob gap to the trainer is a column.
+"""The GPU check, in one command: every preset, the mixed pool, QLoRA, full fine-tuning, a one-process
+torchrun (nccl) and the 2025-26 variants, a few steps each in bf16 on a random model of Qwen2.5-0.5B's shape
+(24 layers, vocab 151,936), with the compiled sampler (QLoRA samples uncompiled: bitsandbytes' layers do not
+compile), then bench/speed.py --device cuda against TRL. Prints one table; the sampler's log-prob gap to the
+trainer is a column.
 
     pip install -r requirements.txt -r bench/requirements.txt
     python bench/gpu_check.py                 # about 10 minutes on one H100
@@ -48,6 +49,11 @@ def runs(tmp):
     yield "grpo full fine-tuning, --num-iterations 2", ["--lora-r", "0", "--num-iterations", "2",
                                                         "--gradient-checkpointing"], []
     yield "dapo torchrun 1 process (nccl)", [], torchrun
+    variants = ["--surrogate", "kl_cov", "--kl-in-reward", "0.01", "--top-entropy-quantile", "0.5",
+                "--entropy-coef", "0.01", "--tis", "2", "--tis-mode", "sequence_mask", "--tis-min", "0.5",
+                "--opsm-delta", "0.5", "--num-iterations", "2"]
+    yield "grpo 2025-26 variants together", variants, []
+    yield "drgrpo gmpo, rloo", ["--surrogate", "gmpo", "--adv-estimator", "rloo", "--num-iterations", "2"], []
 
 
 def main():
