@@ -62,9 +62,8 @@ def fail(msg: str):
 
 # ----------------------------------------------------------------------------- flags and presets
 def flag(default, help, choices=(), bounds="[0, inf)"):
-    """A flag: its default, also its "off" value (allowed whatever the bounds), help, choices, and for a
-    number the interval it must lie in (check_args enforces it; the dry-run test turns the flag on inside
-    it)."""
+    """A flag: its default, also "off" (allowed whatever the bounds), help, choices, and for a number the
+    interval it must lie in (check_args enforces it; the dry-run test turns the flag on inside it)."""
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "bounds": bounds})
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -118,28 +117,28 @@ class Args:
     max_gen_rounds: int = flag(4, "sampling rounds a step at most (dynamic sampling)", bounds="(0, inf)")
     top_k_groups: int = flag(0, "keep the k groups with the largest reward std (0: off)")
     skip_zero_variance: bool = flag(True, "no forward/backward of equal-reward groups, if it changes nothing")
-    top_entropy_quantile: float = flag(1.0, "ρ: policy loss on the top ρ of tokens by H", bounds="[0, 1]")
+    top_entropy_quantile: float = flag(1.0, "ρ: only top-ρ tokens by H train (80/20: 0.2)", bounds="[0, 1]")
     loss_agg: str = flag("seq-mean-token-mean", "token losses to one number", LOSS_AGGS)  # loss
     eps_low: float = flag(0.2, "ratio clipped below at 1 - eps_low", bounds="[0, 1)")
     eps_high: float = flag(0.2, "ratio clipped above at 1 + eps_high (DAPO clip-higher: 0.28)")
     ratio: str = flag("token", "token: pi / pi_old | sequence: GSPO's", ("token", "sequence"))
-    surrogate: str = flag("clip", "the token loss (policy_loss)", ("clip", "cispo", "sapo", "gmpo", "vespo",
-                                                                    "clip_cov", "kl_cov"))
-    sapo_tau_pos: float = flag(1.0, "SAPO gate temperature where A > 0", bounds="(0, inf)")
-    sapo_tau_neg: float = flag(1.05, "SAPO gate temperature where A < 0", bounds="(0, inf)")
-    dual_clip: float = flag(0.0, "c: where A < 0 the loss is at most c |A| (off: 0)", bounds="(1, inf)")
-    cov_ratio: float = flag(2e-4, "clip_cov, kl_cov: the share of tokens they select", bounds="[0, 1]")
-    cov_low: float = flag(1.0, "clip_cov: where cov_low < cov(A, log π) < cov_high", bounds="(-inf, inf)")
+    surrogate: str = flag("clip", "the token loss (policy_loss); gmpo's eps bound log r (paper: 0.4)",
+                          ("clip", "cispo", "sapo", "gmpo", "vespo", "clip_cov", "kl_cov"))
+    sapo_tau_pos: float = flag(1.0, "SAPO's gate τ where A > 0: larger, harder (paper 1)", bounds="(0, inf)")
+    sapo_tau_neg: float = flag(1.05, "τ where A < 0: above τ_pos, steadier (paper 1.05)", bounds="(0, inf)")
+    dual_clip: float = flag(0.0, "c: loss at most c|A| where A < 0, stale rows (verl 3)", bounds="(1, inf)")
+    cov_ratio: float = flag(2e-4, "clip_cov, kl_cov: share of tokens held back (verl)", bounds="(0, 1]")
+    cov_low: float = flag(1.0, "clip_cov draws at cov_low < cov(A, log π) < cov_high", bounds="(-inf, inf)")
     cov_high: float = flag(5.0, "clip_cov: see --cov-low", bounds="(-inf, inf)")
-    cov_kl_coef: float = flag(0.1, "kl_cov: the |log r| penalty's weight on the selected tokens")
-    opsm_delta: float = flag(math.inf, "δ: no policy loss where A < 0 and mean_t log π_sampler/π > δ")
+    cov_kl_coef: float = flag(0.1, "kl_cov: |log r|'s weight on the top-cov tokens, to keep entropy (verl)")
+    opsm_delta: float = flag(math.inf, "δ: no loss where A < 0 and mean log π_sampler/π > δ (TRL 0.5)")
     beta: float = flag(0.0, "KL weight against the reference (the adapter disabled)")
     kl: str = flag("k3", "KL term (kl_penalty)", ("k3", "k3_ratio", "k2"))
     mask_truncated: bool = flag(False, "DAPO §3.4 overlong filtering: no loss on completions without EOS")
-    tis: float = flag(0.0, "C: weight the policy loss by w = π_old/π_sampler at most C (0: off)")
-    tis_mode: str = flag("token_truncate", "w per token or its product over o_i; clamped, or 0 outside",
+    tis: float = flag(0.0, "C: loss × w = π_old/π_sampler ≤ C (TRL: 3; IcePop: 5)", bounds="[1, inf)")
+    tis_mode: str = flag("token_truncate", "w a token or o_i's product; clamped, or 0 outside (IcePop: mask)",
                          ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"))
-    tis_min: float = flag(0.0, "w's floor: clamped, or masked below it (IcePop's 0.5)")
+    tis_min: float = flag(0.0, "w's floor: clamped, or masked below it (IcePop: 0.5)", bounds="[0, 1)")
     entropy_coef: float = flag(0.0, "c: loss -= c H, the entropy bonus, aggregated as the loss")
     num_iterations: int = flag(1, "updates a step (if > 1, old_logp computed once)", bounds="(0, inf)")
     teacher_pool: str = flag("", "JSONL of cached teacher completions: prompt, completion, reward")  # pool
@@ -158,6 +157,11 @@ class Args:
     weight_decay: float = flag(0.0, "AdamW weight decay")
     max_grad_norm: float = flag(1.0, "clip the gradient norm (0: no clipping)")
 
+NEEDS = {  # a flag -> the flag it acts with (not at its default), or the values of it that it acts at
+    "tis_mode": "tis", "tis_min": "tis", "kl": "beta", "overlong_buffer": "overlong_penalty", "dual_clip":
+    "surrogate clip", "max_gen_rounds": "dynamic_sampling", "scale": "adv_estimator grpo", "sapo_tau_pos":
+    "surrogate sapo", "sapo_tau_neg": "surrogate sapo", "cov_kl_coef": "surrogate kl_cov", "cov_ratio":
+    "surrogate clip_cov kl_cov", "cov_low": "surrogate clip_cov", "cov_high": "surrogate clip_cov"}
 PATHS = ("model", "dataset", "eval_dataset", "reward_fn", "teacher_pool")  # RESUMABLE: may change on --resume
 RESUMABLE = {"resume", "overwrite", "output_dir", "max_steps", "save_every", "eval_every", "eval_prompts",
              "eval_samples", "log_samples", "wandb_project", "compile_generate", "dry_run", *PATHS,
@@ -208,7 +212,7 @@ def parse_args(argv=None) -> Args:
                 fail(f"--resume: --model {a.model!r} is not the model the run started from (its config or "
                      f"weights differ, or it is not there): give that model, or start a new run")
             print(f"grpo: note: the {dash(name)} file has changed since the run was saved", file=sys.stderr)
-    check_args(a)
+    check_args(a, given)
     return a
 
 def split_path(value: str) -> tuple[str, str]:  # PATH.py:FUNCTION, DIR[:CONFIG][@SPLIT] -> the path, the rest
@@ -223,16 +227,21 @@ def within(value, bounds: str) -> bool:  # bounds: an interval as written, "[0, 
     above = value >= low if bounds[0] == "[" else value > low
     return above and (value <= high if bounds[-1] == "]" else value < high)
 
-def check_args(a: Args):
+def check_args(a: Args, typed=()):
     """Flags that would misbehave silently, or fail late, fail here, the first found with what to change: a
-    number flag outside the bounds it declares (unless it is its default, "off"), then checks among flags."""
+    number flag outside the bounds it declares (unless it is its default, "off"), a flag typed (in `typed`; a
+    preset's or a saved run's value is not) where it does nothing, then checks among flags."""
     for f in dataclasses.fields(a):
         value = getattr(a, f.name)
         if type(value) in (int, float) and value != f.default and not within(value, f.metadata["bounds"]):
             fail(f"{dash(f.name)} must be in {f.metadata['bounds']}, not {value}")
+    for name in [name for name in typed if name in NEEDS]:  # a flag typed where it does nothing
+        on, *values = NEEDS[name].split()
+        needs = " or ".join(f"{dash(on)} {v}" for v in values) or dash(on)
+        if not (getattr(a, on) in values or not values and getattr(a, on)):
+            fail(f"{dash(name)} does nothing without {needs}: add it, or drop {dash(name)}")
     checks = [
         (not a.output_dir, "--output-dir must name a directory"),
-        (a.dual_clip and a.surrogate != "clip", "--dual-clip caps the clip surrogate: add --surrogate clip"),
         (a.num_generations + a.teacher_per_group < 2, "a group needs 2 completions: raise --num-generations"),
         (a.resume and a.overwrite, "--resume continues the run, --overwrite deletes it: give one"),
         (a.load_in_4bit and a.lora_r == 0, "--load-in-4bit trains LoRA adapters: set --lora-r > 0"),
@@ -241,12 +250,13 @@ def check_args(a: Args):
         (bool(a.teacher_pool) != (a.teacher_per_group > 0), "the mixed pool needs both --teacher-pool PATH "
                                                              "and --teacher-per-group G_T > 0"),
         (a.split_grads and not a.teacher_pool, "--split-grads needs --teacher-pool (the teacher half)"),
-        (a.adv_estimator == "gdpo" and (a.teacher_pool or a.overlong_penalty or a.kl_in_reward),
-         "--adv-estimator gdpo normalises each reward function apart: the pool's rewards, the overlong "
-         "penalty and --kl-in-reward have no parts"),
+        (a.adv_estimator == "gdpo" and (a.teacher_pool or a.kl_in_reward), "--adv-estimator gdpo normalises "
+         "each reward function apart: the pool's rewards and --kl-in-reward have no parts"),
+        (a.adv_estimator == "gdpo" and a.overlong_penalty, "--adv-estimator gdpo normalises each reward "
+         "function apart, and the overlong penalty has no parts: add --no-overlong-penalty"),
         (a.surrogate in ("gmpo", "vespo") and a.ratio == "sequence", "--surrogate gmpo and vespo take token "
          "ratios (their own mean and product over o_i): drop --ratio sequence"),
-        (a.tis and a.tis_min >= a.tis, "--tis-min must be below --tis (the floor and the cap of w)"),
+        (a.surrogate == "clip_cov" and a.cov_low >= a.cov_high, "--cov-low must be below --cov-high"),
         (a.dataset == a.eval_dataset == "" and a.eval_prompts > HELD_OUT, f"--eval-prompts: the built-in "
          f"task has {HELD_OUT}"),
         (not a.rewards.strip(", ") and not a.reward_fn, "no reward: give --rewards and/or --reward-fn"),

@@ -1363,7 +1363,6 @@ def test_presets_are_the_papers_and_explicit_flags_win(algo):
     (["--teacher-per-group", "2"], "--teacher-pool"),
     (["--num-generations", "1"], "--num-generations"),
     (["--top-k-groups", "9"], "--top-k-groups"),
-    (["--dual-clip", "3", "--surrogate", "cispo"], "--dual-clip caps the clip surrogate: add --surrogate clip"),
     (["--adv-estimator", "gdpo", "--kl-in-reward", "0.1"], "gdpo normalises each reward function apart"),
     (["--surrogate", "gmpo", "--ratio", "sequence"], "--surrogate gmpo and vespo take token ratios"),
     (["--output-dir", ""], "--output-dir must name a directory"),
@@ -1377,6 +1376,52 @@ def test_impossible_flags_fail_with_a_sentence(argv, says):
         grpo.parse_args(argv)
     with pytest.raises(SystemExit, match="--resume continues the run, --overwrite deletes it: give one"):
         grpo.check_args(replace(grpo.parse_args([]), resume=True, overwrite=True))
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--tis-mode", "token_mask"], "--tis-mode does nothing without --tis: add it, or drop --tis-mode"),
+    (["--tis-min", "0.5"], "--tis-min does nothing without --tis:"),
+    (["--sapo-tau-pos", "2"], "--sapo-tau-pos does nothing without --surrogate sapo:"),
+    (["--sapo-tau-neg", "2", "--surrogate", "cispo"], "--sapo-tau-neg does nothing without --surrogate sapo:"),
+    (["--cov-ratio", "0.1"], "--cov-ratio does nothing without --surrogate clip_cov or --surrogate kl_cov:"),
+    (["--cov-low", "0", "--surrogate", "kl_cov"], "--cov-low does nothing without --surrogate clip_cov:"),
+    (["--cov-high", "9", "--surrogate", "kl_cov"], "--cov-high does nothing without --surrogate clip_cov:"),
+    (["--cov-kl-coef", "1", "--surrogate", "clip_cov"], "--cov-kl-coef does nothing without --surrogate kl_cov:"),
+    (["--dual-clip", "3", "--surrogate", "cispo"], "--dual-clip does nothing without --surrogate clip: add it, or "
+                                                   "drop --dual-clip"),
+    (["--scale", "none", "--adv-estimator", "rloo"], "--scale does nothing without --adv-estimator grpo:"),
+    (["--algo", "drgrpo", "--scale", "std", "--adv-estimator", "gdpo"], "--scale does nothing without"),
+    (["--algo", "drgrpo", "--kl", "k2"], "--kl does nothing without --beta: add it, or drop --kl"),
+    (["--overlong-buffer", "8"], "--overlong-buffer does nothing without --overlong-penalty:"),
+    (["--max-gen-rounds", "2"], "--max-gen-rounds does nothing without --dynamic-sampling:"),
+    (["--surrogate", "clip_cov", "--cov-low", "5", "--cov-high", "1"], "--cov-low must be below --cov-high"),
+    (["--surrogate", "clip_cov", "--cov-low", "2", "--cov-high", "2"], "--cov-low must be below --cov-high"),
+    (["--algo", "dapo", "--adv-estimator", "gdpo"], "the overlong penalty has no parts: add --no-overlong-penalty"),
+])
+def test_a_flag_typed_where_it_does_nothing_is_refused_naming_what_to_add(argv, says):
+    """A flag the user typed where it acts on nothing (NEEDS) is refused in one line naming what it needs; a clip_cov
+    range that holds nothing, and a preset's overlong penalty that gdpo cannot split, name what to change."""
+    with pytest.raises(SystemExit, match=says):
+        grpo.parse_args(argv)
+
+
+def test_only_what_was_typed_is_refused_not_a_preset_s_or_a_saved_run_s_value(tmp_path):
+    """A preset's value is not the user's: drgrpo's scale with rloo, grpo's beta under --kl, dapo's dynamic sampling
+    under --max-gen-rounds stay valid; so do the variants' flags with what they act with. On --resume the saved
+    run's flags are its defaults: a run saved with --scale beside rloo continues, --scale typed again is refused."""
+    for argv in (["--algo", "drgrpo", "--adv-estimator", "rloo"], ["--kl", "k2"], ["--algo", "dapo", "--max-gen-rounds",
+                 "2"], ["--algo", "dapo", "--adv-estimator", "gdpo", "--no-overlong-penalty"],
+                 ["--surrogate", "sapo", "--sapo-tau-pos", "2"], ["--tis", "2", "--tis-mode", "token_mask", "--tis-min",
+                 "0.5"], ["--surrogate", "kl_cov", "--cov-ratio", "0.1", "--cov-kl-coef", "1"],
+                 ["--surrogate", "clip_cov", "--cov-low", "0", "--cov-high", "9", "--cov-ratio", "1"]):
+        grpo.parse_args(argv)
+    (tmp_path / "checkpoint").mkdir()
+    saved = {**vars(grpo.Args()), "adv_estimator": "rloo", "scale": "none", "output_dir": str(tmp_path)}
+    (tmp_path / "checkpoint" / "grpo_args.json").write_text(json.dumps(saved))
+    a = grpo.parse_args(["--output-dir", str(tmp_path), "--resume", "--max-steps", "9"])
+    assert (a.adv_estimator, a.scale, a.max_steps) == ("rloo", "none", 9)
+    with pytest.raises(SystemExit, match="--scale does nothing without --adv-estimator grpo"):
+        grpo.parse_args(["--output-dir", str(tmp_path), "--resume", "--scale", "none"])
 
 
 @pytest.mark.parametrize("flag, value, says", [
@@ -1396,7 +1441,9 @@ def test_impossible_flags_fail_with_a_sentence(argv, says):
     ("--eps-low", "1", r"--eps-low must be in \[0, 1\)"), ("--warmup-steps", "-1", "--warmup-steps must be"),
     ("--micro-batch-size", "-1", r"--micro-batch-size must be in \(0, inf\), not -1"),
     ("--dual-clip", "1", r"--dual-clip must be in \(1, inf\), not 1.0"),
-    ("--cov-ratio", "5", r"--cov-ratio must be in \[0, 1\], not 5.0"),
+    ("--cov-ratio", "5", r"--cov-ratio must be in \(0, 1\], not 5.0"),
+    ("--cov-ratio", "0", r"--cov-ratio must be in \(0, 1\], not 0.0"),  # verl refuses 0 too (it selects >= 1 token)
+    ("--tis", "0.5", r"--tis must be in \[1, inf\), not 0.5"), ("--tis-min", "1", r"--tis-min must be in \[0, 1\)"),
 ])
 def test_out_of_range_flags_fail_with_their_name(flag, value, says):
     extra = ["--teacher-pool", "p.jsonl", "--teacher-per-group", "2"] if flag == "--num-generations" else []
