@@ -525,18 +525,26 @@ def compile_sampler(model, a: Args, prompt_len: int, world: int = 1) -> dict | N
     return dict(prompt_len=prompt_len, rows=rows, compile_config=config)
 
 # ----------------------------------------------------------------------------- reward and groups
+def parse_rewards(spec: str) -> list[tuple[str, str, float]]:
+    """--rewards, the one parse of it: "correct:1, format : 0.2" -> (name, weight as written, its value: 1 if
+    none is written, NaN if it is not a number)."""
+    out = []
+    for part in filter(None, spec.split(",")):
+        name, _, weight = [s.strip() for s in part.partition(":")]
+        try:
+            out.append((name, weight, float(weight or 1)))
+        except ValueError:
+            out.append((name, weight, math.nan))
+    return out
+
 def build_rewards(a: Args) -> list[tuple[str, object, float]]:
     fns = []
-    for part in filter(None, a.rewards.split(",")):
-        name, _, weight = [s.strip() for s in part.partition(":")]
+    for name, written, weight in parse_rewards(a.rewards):
         if name not in REWARDS:
             fail(f"--rewards: unknown reward {name!r}; built-ins are {', '.join(REWARDS)}")
-        try:
-            fns.append((name, REWARDS[name], float(weight or 1)))
-        except ValueError:
-            fns.append((name, REWARDS[name], math.nan))
-        if not finite32(fns[-1][2]):
-            fail(f"--rewards: weight {weight!r} of {name!r} is not a number finite in float32")
+        if not finite32(weight):
+            fail(f"--rewards: weight {written!r} of {name!r} is not a number finite in float32")
+        fns.append((name, REWARDS[name], weight))
     if a.reward_fn:
         path, _, name = a.reward_fn.rpartition(":")
         if not path.endswith(".py") or not os.path.isfile(path):
@@ -798,7 +806,7 @@ def step_terms(s: dict, a: Args):
         words["A"] = "(a_i - mean_t(a)) / std_t(a) over the step's tokens, a_i = R_i - mean_g(R) (no A is 0)"
     if a.adv_estimator == "gdpo":  # GDPO (2601.05242), as TRL's normalize_then_sum: each reward normalised in
         parts = s["per_fn"].T.reshape(-1, *rewards.shape)  # its group, weighted, summed, then whitened over
-        weights = [float(w or 1) for _, _, w in (p.partition(":") for p in a.rewards.split(",") if p)]
+        weights = [w for _, _, w in parse_rewards(a.rewards)]  # as build_rewards weighs them
         S = sum(w * group_advantages(r, "std", a.std_eps)[0] for w, r in zip(weights + [1.0], parts))
         adv = (S - S.mean()) / (S.std() + a.std_eps)  # the step's completions
         flat = flat & False  # equal totals need not mean equal parts

@@ -848,6 +848,19 @@ def test_gdpo_by_hand_and_against_trl():
     assert not flat.any() and row_adv[0] != row_adv[1]
 
 
+def test_gdpo_weighs_each_reward_as_build_rewards_reads_rewards():
+    """--rewards is parsed once (parse_rewards): spaces and a weight left out mean what build_rewards takes them to
+    mean (1), in the step's GDPO sum too (it was a ValueError inside the first update)."""
+    per_fn = torch.tensor([[1.0, 0, 0, 1, 1, 0], [1, 1, 0, 0, 0.5, 0]]).T.double()
+    a = grpo.Args(num_generations=3, adv_estimator="gdpo", rewards="correct,format:0.5")
+    want = step(a, per_fn @ torch.tensor([1, 0.5]).double(), per_fn=per_fn)[1]
+    spaced = replace(a, rewards=" correct: , format : 0.5 ")
+    assert [(n, w) for n, _, w in grpo.build_rewards(spaced)] == [("correct", 1.0), ("format", 0.5)]
+    assert torch.equal(step(spaced, per_fn @ torch.tensor([1, 0.5]).double(), per_fn=per_fn)[1], want)
+    halved = step(replace(a, rewards="correct,format:0.25"), per_fn @ torch.tensor([1, 0.25]).double(), per_fn=per_fn)[1]
+    assert not torch.allclose(halved, want)  # the weight reaches the sum
+
+
 def test_kl_in_reward_by_hand_and_against_verl():
     """R_i -= beta sum_t (log pi_old - log pi_ref) over o_i's tokens (verl's use_kl_in_reward, kl_penalty "kl"),
     before the advantage: equal task rewards are no longer equal, so that group is not flat. Then verl 0.9.1
