@@ -1377,6 +1377,7 @@ def test_presets_are_the_papers_and_explicit_flags_win(algo):
     (["--num-generations", "1"], "--num-generations"),
     (["--top-k-groups", "9"], "--top-k-groups"),
     (["--adv-estimator", "gdpo", "--kl-in-reward", "0.1"], "gdpo normalises each reward function apart"),
+    (["--adv-estimator", "gdpo", "--teacher-pool", "p.jsonl", "--teacher-per-group", "2"], "the pool's rewards"),
     (["--surrogate", "gmpo", "--ratio", "sequence"], "--surrogate gmpo and vespo take token ratios"),
     (["--output-dir", ""], "--output-dir must name a directory"),
     (["--eval-prompts", "5000"], "--eval-prompts: the built-in task has 2900"),
@@ -2287,17 +2288,22 @@ def test_skipping_the_reset_between_passes_double_counts_g_s(loaded):
     assert not all(torch.allclose(n, f, atol=1e-7) for n, f in zip(naive, full))
 
 
-def test_teacher_rewards_come_from_the_pool_and_share_the_group_advantage(loaded, tmp_path):
+@pytest.mark.parametrize("estimator, scale", [("grpo", "none"), ("grpo", "std"), ("rloo", "none"),
+                                              ("reinforce_plus_plus_baseline", "none")])
+def test_teacher_rewards_come_from_the_pool_and_share_the_group_advantage(loaded, tmp_path, estimator, scale):
     """Teacher rows: the pool's reward as it is (the overlong penalty shapes only the sampled rows' rewards), their
-    tokens the text + EOS, never truncated; one group-relative advantage over G_s + G_t."""
+    tokens the text + EOS, never truncated; one group-relative advantage over G_s + G_t = 4 rows, by hand for each
+    estimator (gdpo refuses the pool): R - mean, / std, RLOO's leave-one-out mean of the other 3 (G / (G - 1) with
+    G = 4, not G_s = 2), REINFORCE++'s whitening over both groups' tokens (a teacher row's |o_i| counts too)."""
     a, model, tok = loaded
     data = grpo.arithmetic_task(100, 0)
     pool = write(tmp_path / "pool.jsonl", [json.dumps({"prompt": ex["prompt"], "completion": c, "reward": r})
                                            for ex in data for c, r in (("<think>t</think><answer>1</answer>", 1.0),
                                                                         ("I give up", 0.25))])
-    a = replace(a, prompts_per_step=2, num_generations=2, teacher_per_group=2, teacher_pool=pool, scale="none",
-                max_new_tokens=40, overlong_penalty=True, overlong_buffer=30)  # penalty from 11 tokens on
+    a = replace(a, prompts_per_step=2, num_generations=2, teacher_per_group=2, teacher_pool=pool, scale=scale,
+                max_new_tokens=40, overlong_penalty=True, overlong_buffer=30, adv_estimator=estimator)  # from 11 tokens
     groups, _ = rollout(a, model, tok, stub_reward(lambda i: float(i % 2) * 0.5), grpo.load_teacher_pool(a, data, tok))
+    centred, lengths = [], []
     for g in groups:
         assert g["is_teacher"] == [False, False, True, True]
         assert sorted(g["rewards"][2:].tolist()) == [0.25, 1.0]  # frozen, from the pool, not rescored
@@ -2305,10 +2311,21 @@ def test_teacher_rewards_come_from_the_pool_and_share_the_group_advantage(loaded
         penalty = [-max(0, len(c) - 10) / 30 for c in g["completions"][:2]]  # DAPO's, by hand
         assert r[:2] == pytest.approx([0.0 + penalty[0], 0.5 + penalty[1]])
         mean = sum(r) / 4  # one group-relative advantage over G_s + G_t
-        assert g["adv"].tolist() == pytest.approx([x - mean for x in r])
+        want = {"none": [x - mean for x in r], "std": [(x - mean) / (statistics.stdev(r) + 1e-6) for x in r]}[scale]
+        if estimator == "rloo":
+            want = [x - sum(r[j] for j in range(4) if j != i) / 3 for i, x in enumerate(r)]
+        if estimator != "reinforce_plus_plus_baseline":
+            assert g["adv"].tolist() == pytest.approx(want)
+        centred += [x - mean for x in r]
+        lengths += [len(c) for c in g["completions"]]
         text = dict((t, c) for t, c in zip(g["texts"], g["completions"]))["I give up"]
         assert text.tolist() == tok("I give up", add_special_tokens=False).input_ids + [tok.eos_token_id]
         assert g["truncated"][2:] == [False, False]
+    if estimator == "reinforce_plus_plus_baseline":  # whitened over the step's tokens, each row |o_i| times
+        tokens = [c for c, n in zip(centred, lengths) for _ in range(n)]
+        mu, var = statistics.mean(tokens), statistics.variance(tokens)
+        assert sum((g["adv"].tolist() for g in groups), []) == pytest.approx([(c - mu) / math.sqrt(var + 1e-8)
+                                                                              for c in centred])
 
 
 def test_a_step_that_trains_nothing_logs_no_entropy(loaded):
