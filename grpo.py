@@ -975,24 +975,29 @@ def token_objective(logp, entropy, b: dict, a: Args):
 
 # ----------------------------------------------------------------------------- the step
 def probe(a: Args):
-    """The step's terms on made-up numbers (a group of G rows of 3 tokens), no model: the step inputs they
-    read (computed for a step then, and only then), whether equal-reward groups are skipped
-    (--skip-zero-variance, and ∇ℓ = 0 where A = 0: skipping them changes nothing), and the words each term
-    wrote for --dry-run."""
+    """The step's terms on made-up numbers (a group of G rows of 3 tokens, equal rewards), no model: the
+    step inputs they read (computed for a step then, and only then), whether the rows step_terms flags
+    A = 0 are skipped (--skip-zero-variance, and ∇ℓ = 0 where A = 0: skipping them changes nothing), and
+    the words each term wrote for --dry-run, with what becomes of an equal-reward group."""
     G = a.num_generations + a.teacher_per_group
     gen = torch.Generator().manual_seed(0)
     def made_up():  # (G, 3) log-probs: any step input a term reads
         return torch.rand(G, 3, generator=gen).log()
-    rows = dict(reward=torch.arange(G, dtype=torch.float), order=torch.zeros(G, dtype=torch.long),
+    rows = dict(reward=torch.zeros(G), order=torch.zeros(G, dtype=torch.long),  # a group of equal rewards
                 mask=torch.ones(G, 3), truncated=torch.zeros(G, dtype=torch.bool),
                 is_teacher=torch.zeros(G, dtype=torch.bool), sampler_logp=made_up(), per_fn=made_up())
     step = collections.defaultdict(made_up, rows, adv=torch.zeros(G, 1))  # A = 0
-    words = step_terms(step, a)[-1]
+    _, _, _, flat, _, words = step_terms(step, a)
     logp = made_up().requires_grad_()
     entropy = torch.rand(G, 3, generator=gen).requires_grad_()
     loss, _, more = token_objective(logp, entropy, step, a)
     loss.sum().backward()
     skip = a.skip_zero_variance and not logp.grad.any() and (entropy.grad is None or not entropy.grad.any())
+    words["equal"] = "(A = 0) trained"  # what prepare does with the rows step_terms flags: flat & skip
+    if skip:
+        words["equal"] = "(A = 0) skipped: ∇ℓ = 0 there"
+    if not flat.all():  # step_terms flags no such group: their A is not 0 (whitened, or the KL in R)
+        words["equal"] = "trained: their A is not 0"
     return set(step) - set(rows) - {"adv"}, skip, {**words, **more}
 
 def prepare(model, ref_model, groups: list[dict], a: Args):
@@ -1049,7 +1054,7 @@ def train_step(model, ref_model, opt, groups: list[dict], a: Args) -> dict:
         # the step's gradient is the SUM of the ranks' (each rank's loss carries the global normaliser)
         for g in sum(grads.values(), []) or [p.grad for p in params]:
             all_sum(g)
-        out = edit_source_grads(grads, params, a)
+        out, _ = edit_source_grads(grads, params, a)
         every = all_gather({k: float(v) for k, v in sums.items()})
         total = {k: sum(d.get(k, 0.0) for d in every) for k in set().union(*every)}
         norm = torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm or math.inf).item()
@@ -1064,11 +1069,13 @@ def train_step(model, ref_model, opt, groups: list[dict], a: Args) -> dict:
         out["sampler/logp_gap_max"] = max(d.get("max:sampler/logp_gap", -math.inf) for d in every)
     return {**stats, **out, "loss": total["loss"], "train/rows": total["train/rows"]}
 
-def edit_source_grads(grads: dict, params: list, a: Args) -> dict:
+def edit_source_grads(grads: dict, params: list, a: Args) -> tuple[dict, str]:
     """--split-grads: the student and teacher gradients g_s, g_t, summed over micro-batches and ranks, before
-    clipping and the step; .grad = g_s + g_t, the full-batch gradient. FORKER: project or drop either here."""
-    if not grads:
-        return {}
+    clipping and the step; .grad = g_s + g_t, the full-batch gradient; its metrics and --dry-run's words (also
+    with no grads). FORKER: project or drop either here."""
+    words = "; ∇ = g_s + g_t, the student's and the teacher's rows backpropagated apart"
+    if not grads:  # none without --split-grads; --dry-run's call
+        return {}, words if a.split_grads else ""
     g_s, g_t = grads["student"], grads["teacher"]
     norm_s = torch.sqrt(sum((g * g).sum() for g in g_s))
     norm_t = torch.sqrt(sum((g * g).sum() for g in g_t))
@@ -1076,7 +1083,7 @@ def edit_source_grads(grads: dict, params: list, a: Args) -> dict:
     for p, s, t in zip(params, g_s, g_t):
         p.grad = s + t
     return {"grad/norm_student": norm_s.item(), "grad/norm_teacher": norm_t.item(),
-            "grad/cos_student_teacher": cos.item()}
+            "grad/cos_student_teacher": cos.item()}, words
 
 # ============================================================================= run-keeping
 # Nothing below changes the algorithm: evaluation, processes, checkpoints, logs, signals, --dry-run, main().
@@ -1369,19 +1376,19 @@ def end_step(run, a: Args, step: int, m: dict, generated: list[dict]) -> bool:
 def describe(a: Args) -> str:
     """--dry-run: the loss the flags optimise, in the words each term writes beside its math (probe: made-up
     numbers, no model, no data), then every flag."""
-    _, skip_flat, w = probe(a)
+    w = probe(a)[2]
     G = a.num_generations + a.teacher_per_group
     shaping = score([], [], [], [], a)[2]  # what is added to the rewards' sum
     reward = " + ".join(filter(None, [a.rewards.replace(",", " + "), a.reward_fn])) + shaping
-    skipped = "skipped: ∇ℓ = 0 there" if skip_flat else "trained"
     norm = aggregate_loss(torch.ones(1, 1), torch.ones(1, 1), a.loss_agg, a.max_new_tokens)[1]
-    lines = [f"loss = {norm},  Σ_t over m_i,t = {w['m']}", f"  ℓ_i,t = {w['ℓ']},  r = {w['r']}",
+    split = edit_source_grads({}, [], a)[1]
+    lines = [f"loss = {norm},  Σ_t over m_i,t = {w['m']}{split}", f"  ℓ_i,t = {w['ℓ']},  r = {w['r']}",
              f"  π_old = {w['π_old']}", f"  A_i = {w['A']}", f"  R_i = {reward}{w['R']}",
              f"  o_1..{G} ~ π_old(·|q), {a.teacher_per_group} of them from the pool (R frozen), temp. "
              f"{a.temperature:g}, top-p {a.top_p:g}, top-k {a.top_k}, |o_i| ≤ {a.max_new_tokens}; B = "
              f"{a.prompts_per_step} prompts q a step",
              f"  groups trained: {select_groups(torch.arange(G)[None].float(), a)[2]}; those of equal "
-             f"rewards (A = 0) {skipped}"]
+             f"rewards {w['equal']}"]
     flags = " ".join(f"{dash(k)} {v!r}" for k, v in vars(a).items())
     return "\n".join(lines + ["", textwrap.fill(flags, 100)])
 

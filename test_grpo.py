@@ -1501,6 +1501,31 @@ def test_dry_run_prints_the_objective_then_the_flags(capsys):
     assert "ℓ_i,t = (-min(r·A_i, clip(r, 1-0.2, 1+0.2)·A_i))·token_truncate(π_old/π_sampler, [0, 2])," in out
     assert "·  std_g / (max_g' std_g' + 1e-06)" in out and "groups trained: all, then the top-4 by std" in out
     assert "first EOS, 0 on a truncated completion" in out
+    for estimator in ("reinforce_plus_plus_baseline", "gdpo"):  # whitened: an equal-reward group's A is not 0
+        grpo.main(["--algo", "drgrpo", "--dry-run", "--adv-estimator", estimator])
+        out = capsys.readouterr().out
+        assert "(no A is 0)" in out and "those of equal rewards trained: their A is not 0\n" in out
+    grpo.main(["--algo", "drgrpo", "--dry-run", "--kl-in-reward", "0.1"])  # equal rewards less unequal KLs
+    assert "those of equal rewards trained: their A is not 0\n" in capsys.readouterr().out
+    grpo.main(["--algo", "drgrpo", "--dry-run", "--teacher-pool", "p.jsonl", "--teacher-per-group", "2", "--split-grads"])
+    assert "first EOS; ∇ = g_s + g_t, the student's and the teacher's rows backpropagated apart\n" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(beta=0.04), dict(adv_estimator="rloo"), dict(kl_in_reward=0.1),
+                                dict(adv_estimator="reinforce_plus_plus_baseline"), dict(adv_estimator="gdpo")])
+def test_dry_run_says_what_the_step_does_with_an_equal_reward_group(kw):
+    """--dry-run's words on equal-reward groups come from the step's own decision: prepare skips the rows step_terms
+    flags flat where probe finds no gradient at A = 0; a group of equal rewards (real step inputs) is flagged flat,
+    and skipped, exactly where the words say so."""
+    a = grpo.Args(num_generations=2, **kw)
+    x = peer_inputs()
+    _, row_adv, _, flat, *_ = step(a, [1.0, 1.0, 0.0, 1.0], x["mask"], old_logp=x["old_logp"], ref_logp=x["ref_logp"],
+                                   per_fn=torch.tensor([[1.0, 0], [0, 2], [0, 0], [1, 0]]))
+    _, skip, words = grpo.probe(a)
+    said = grpo.describe(a).split("those of equal rewards ")[1].split("\n")[0]
+    assert said == words["equal"] and bool(flat[0]) == (row_adv[:2] == 0).all()  # flat: A = 0 there
+    assert said == {(True, True): "(A = 0) skipped: ∇ℓ = 0 there", (True, False): "(A = 0) trained"}.get(
+        (bool(flat[0]), skip), "trained: their A is not 0")
 
 
 def test_dry_run_reads_no_model_and_runs_no_reward(tmp_path, capsys):
@@ -1513,7 +1538,7 @@ def test_dry_run_reads_no_model_and_runs_no_reward(tmp_path, capsys):
 
 # run-keeping, data, the model's parametrisation and the optimizer: flags that leave the objective as it is
 NOT_THE_OBJECTIVE = {"algo", "model", "output_dir", "resume", "overwrite", "max_steps", "seed", "dry_run",
-                     "teacher_pool", "split_grads",  # a file's path; the same gradient, summed in two halves
+                     "teacher_pool",  # a file's path
                      "save_every", "wandb_project", "log_samples", "dataset", "eval_dataset", "max_samples",
                      "eval_every", "eval_prompts", "eval_samples", "system_prompt", "compile_generate",
                      "skip_zero_variance", "lora_r", "lora_alpha", "lora_dropout", "load_in_4bit", "dtype",
