@@ -780,8 +780,9 @@ def soft_weights(stds: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def step_terms(s: dict, a: Args):
     """The step as one process sees it: every rank's rows in sampling order, G a group. s: rewards R (M,),
     the completion mask (M, C), truncated, is_teacher, per_fn, sampler_logp and the step inputs a term
-    reads. Returns the advantages (M, 1), or (M, C) per token, A_i (M,), the loss mask (M, C), the rows of
-    equal-reward groups (A = 0), metrics and --dry-run's words. FORKER: a reward-, advantage- or mask-level
+    reads. Returns the advantages (M, 1), or (M, C) per token, A_i (M,), the loss mask (M, C), the tokens the
+    policy loss and the entropy bonus act on (M, C), the rows of equal-reward groups (A = 0), metrics and
+    --dry-run's words. FORKER: a reward-, advantage- or mask-level
     term is a line here and its words the next; a statistic over the step (a quantile, a batch std) sees
     every rank's rows."""
     R, mask, stats, G = s["reward"], s["mask"], {}, a.num_generations + a.teacher_per_group
@@ -821,13 +822,16 @@ def step_terms(s: dict, a: Args):
         words["m"] += ", 0 on a truncated completion"
     row_adv = adv.reshape(-1)  # (M,): A_i; then token-level terms
     adv = row_adv[:, None]
-    if a.top_entropy_quantile < 1 and mask.any():  # 80/20 (2506.01939): the policy loss on the top-ρ of
-        H = s["old_entropy"]  # the step's trained tokens by π_old's entropy (KL, normalisers as they were)
-        ranked = H[mask > 0].sort().values  # torch.quantile's linear rule; it refuses over 2^24 tokens
+    keep = mask > 0
+    if a.top_entropy_quantile < 1 and mask.any():  # 80/20 (2506.01939): the policy loss (and the entropy
+        H = s["old_entropy"]  # bonus, as TRL's) on the top-ρ of the step's trained tokens by π_old's H
+        ranked = H[keep].sort().values  # torch.quantile's linear rule; it refuses over 2^24 tokens
         at = torch.tensor(1 - a.top_entropy_quantile, dtype=H.dtype) * (len(ranked) - 1)
-        adv = adv * (H >= torch.lerp(ranked[at.long()], ranked[at.ceil().long()], at - at.long()))
+        keep = keep & (H >= torch.lerp(ranked[at.long()], ranked[at.ceil().long()], at - at.long()))
+        adv = adv * keep  # (KL, normalisers as they were)
+        stats["loss/low_entropy_frac"] = 1 - keep.sum().item() / len(ranked)  # the share of tokens dropped
         words["A"] += f"  ·  1[H_i,t ≥ its {1 - a.top_entropy_quantile:g} quantile in the step]"
-    return adv, row_adv, mask, flat, stats, words
+    return adv, row_adv, mask, keep, flat, stats, words
 
 # ----------------------------------------------------------------------------- the token loss
 def policy_loss(logp, old_logp, adv, mask, a: Args):
@@ -850,9 +854,10 @@ def policy_loss(logp, old_logp, adv, mask, a: Args):
         loss = -clipped.detach() * adv * logp
         words["ℓ"] = f"-sg({clip})·A_i·log π_θ"
     elif a.surrogate == "gmpo":  # GMPO (2507.20673), verl's geo_mean; its mean skips tokens whose A is 0
-        kept = (mask != 0) & (adv != 0)
+        kept = (mask != 0) & (adv != 0)  # (those the entropy quantile drops too, as TRL's GMPO)
         log_r = torch.where(adv > 0, log_ratio.clamp(max=a.eps_high), log_ratio.clamp(min=-a.eps_low)) * kept
-        loss = -adv * torch.exp(log_r.sum(-1, keepdim=True) / kept.sum(-1, keepdim=True).clamp(min=1))
+        A = adv.expand_as(logp).gather(-1, kept.int().argmax(-1, keepdim=True))  # A_i, not x a share kept
+        loss = -A * torch.exp(log_r.sum(-1, keepdim=True) / kept.sum(-1, keepdim=True).clamp(min=1))  # (N, 1)
         words["ℓ"] = f"-A_i·exp(mean_t clip(log r_t, -{a.eps_low:g}, {a.eps_high:g}) on A_i's side)"
     elif a.surrogate == "vespo":  # VESPO (2602.10693), TRL's k and λ
         log_w = log_ratio.detach().clamp(-20, 20).sum(-1, keepdim=True).clamp(math.log(1e-8), 20)  # (N, 1)
@@ -860,8 +865,8 @@ def policy_loss(logp, old_logp, adv, mask, a: Args):
         lam = torch.where(adv >= 0, 3.0, 2.0)
         loss = -torch.exp(lam + k * log_w - lam * log_w.exp()) * adv * logp  # w = e^log_w, at most e^20
         words["ℓ"] = "-sg(w^k e^(λ(1-w)))·A_i·log π_θ (w = Π_t r_t; k, λ = 2, 3, or 3, 2 if A_i < 0)"
-    elif a.surrogate in ("clip_cov", "kl_cov"):
-        loss, words["ℓ"] = cov_loss(ratio, clipped, log_ratio, logp, adv, mask, a)
+    elif a.surrogate in ("clip_cov", "kl_cov"):  # loss/cov_frac: the share of tokens they hold back
+        loss, diag["loss/cov_frac"], words["ℓ"] = cov_loss(ratio, clipped, log_ratio, logp, adv, mask, a)
     elif a.surrogate == "sapo":  # SAPO (2511.20347)
         tau = torch.where(adv > 0, a.sapo_tau_pos, a.sapo_tau_neg)
         loss = -(4 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv
@@ -877,22 +882,22 @@ def policy_loss(logp, old_logp, adv, mask, a: Args):
 
 def cov_loss(ratio, clipped, log_ratio, logp, adv, mask, a: Args):
     """Clip-Cov and KL-Cov (2505.22617 §4.3), as verl's, over a micro-batch's tokens: per token, cov =
-    (A - mean A)(log pi - mean log pi), and n = max(1, cov_ratio x tokens) are selected; the loss, its words
-    (which say what each does with them)."""
+    (A - mean A)(log pi - mean log pi), and n = max(1, cov_ratio x tokens) are selected; the loss, the tokens
+    selected (N, C) and its words (which say what each does with them)."""
     m = mask != 0
     cov = (adv - adv.expand_as(logp)[m].mean()) * (logp - logp[m].mean()).detach()  # (N, C)
     n = max(1, int(a.cov_ratio * m.sum()))
     if a.surrogate == "clip_cov":
         loss = -torch.min(ratio * adv, clipped * adv)
         free = (m & (loss == -ratio * adv) & (cov > a.cov_low) & (cov < a.cov_high)).flatten().nonzero()[:, 0]
-        loss = loss.flatten().index_fill(0, free[torch.randperm(len(free))[:n]], 0).view_as(loss)
+        drawn = torch.zeros_like(m).flatten().index_fill(0, free[torch.randperm(len(free))[:n]], 1).view_as(m)
         clip = f"clip(r, 1-{a.eps_low:g}, 1+{a.eps_high:g})"
-        return loss, (f"-min(r·A_i, {clip}·A_i) (0 at {a.cov_ratio:g} of the tokens, drawn where "
-                      f"{a.cov_low:g} < cov(A, log π) < {a.cov_high:g})")
+        words = f"-min(r·A_i, {clip}·A_i) (0 at {a.cov_ratio:g} of the tokens, drawn where {a.cov_low:g} < "
+        return loss.where(~drawn, 0), drawn, words + f"cov(A, log π) < {a.cov_high:g})"
     top = cov.where(m, -math.inf).flatten().topk(n).indices  # kl_cov
     picked = torch.zeros_like(logp).flatten().index_fill(0, top, 1).view_as(logp)
     words = f"(-r·A_i + {a.cov_kl_coef:g}·|log r| at the top {a.cov_ratio:g} of tokens by cov(A, log π))"
-    return -ratio * adv + a.cov_kl_coef * picked * log_ratio.abs(), words
+    return -ratio * adv + a.cov_kl_coef * picked * log_ratio.abs(), picked > 0, words
 
 def kl_penalty(logp, ref_logp, kind: str = "k3", old_logp=None):
     """Per-token KL (Schulman, "Approximating KL divergence", 2020), d = log ref - log pi; gradients under pi:
@@ -949,7 +954,8 @@ def token_objective(logp, entropy, b: dict, a: Args):
     if a.opsm_delta < math.inf:  # off-policy sequence masking: DeepSeek-V3.2 (2512.02556) eq. 9, as TRL's
         drift = torch.where(known, b["sampler_logp"], old_logp) - logp.detach()  # teacher rows: π_old
         drift = torch.where(b["mask"] > 0, drift, 0).sum(-1, keepdim=True) / b["mask"].sum(-1, keepdim=True)
-        loss = loss * ((b["adv"] >= 0) | (drift <= a.opsm_delta))
+        diag["loss/opsm_frac"] = (b["adv"] < 0) & (drift > a.opsm_delta)  # (N, 1): the rows dropped
+        loss = loss * ~diag["loss/opsm_frac"]
         words["ℓ"] = f"({words['ℓ']})·1[A_i ≥ 0 or mean_t log π_sampler/π_θ ≤ {a.opsm_delta:g}]"
     # IS against the sampler: truncated (Yao et al. 2025, "Your efficient RL framework secretly brings you
     # off-policy RL training"), or masked outside [tis_min, tis] (IcePop); per token, or o_i's product
@@ -957,6 +963,7 @@ def token_objective(logp, entropy, b: dict, a: Args):
         log_w = torch.where(known, old_logp - b["sampler_logp"], 0)
         w = torch.exp(log_w if a.tis_mode.startswith("token") else log_w.sum(-1, keepdim=True))
         inside = (w >= a.tis_min) & (w <= a.tis)
+        diag["loss/tis_frac"] = known & ~inside  # the tokens whose w is masked (0) or clamped
         w = torch.where(inside, w, 0) if a.tis_mode.endswith("mask") else w.clamp(a.tis_min, a.tis)
         loss = loss * torch.where(known, w, 1)  # teacher rows (no sampler): 1
         words["ℓ"] = f"({words['ℓ']})·{a.tis_mode}(π_old/π_sampler, [{a.tis_min:g}, {a.tis:g}])"
@@ -967,7 +974,7 @@ def token_objective(logp, entropy, b: dict, a: Args):
         diag["kl"] = kl_penalty(logp.detach(), ref)
         words["ℓ"] += f" + {a.beta:g}·KL_{a.kl}(π_θ, π_ref)"
     if a.entropy_coef:  # the entropy bonus (TRL's entropy_coef, verl's entropy_coeff)
-        loss = loss - a.entropy_coef * entropy
+        loss = loss - a.entropy_coef * entropy * b["keep"]  # (the tokens the policy loss acts on)
         words["ℓ"] += f" - {a.entropy_coef:g}·H(π_θ)"
     diag["loss/token_mean"] = loss.detach()
     diag["policy/entropy"] = entropy.detach()
@@ -986,8 +993,8 @@ def probe(a: Args):
     rows = dict(reward=torch.zeros(G), order=torch.zeros(G, dtype=torch.long),  # a group of equal rewards
                 mask=torch.ones(G, 3), truncated=torch.zeros(G, dtype=torch.bool),
                 is_teacher=torch.zeros(G, dtype=torch.bool), sampler_logp=made_up(), per_fn=made_up())
-    step = collections.defaultdict(made_up, rows, adv=torch.zeros(G, 1))  # A = 0
-    _, _, _, flat, _, words = step_terms(step, a)
+    step = collections.defaultdict(made_up, rows, adv=torch.zeros(G, 1), keep=torch.ones(G, 3))  # A = 0
+    _, _, _, _, flat, _, words = step_terms(step, a)
     logp = made_up().requires_grad_()
     entropy = torch.rand(G, 3, generator=gen).requires_grad_()
     loss, _, more = token_objective(logp, entropy, step, a)
@@ -998,7 +1005,7 @@ def probe(a: Args):
         words["equal"] = "(A = 0) skipped: ∇ℓ = 0 there"
     if not flat.all():  # step_terms flags no such group: their A is not 0 (whitened, or the KL in R)
         words["equal"] = "trained: their A is not 0"
-    return set(step) - set(rows) - {"adv"}, skip, {**words, **more}
+    return set(step) - set(rows) - {"adv", "keep"}, skip, {**words, **more}
 
 def prepare(model, ref_model, groups: list[dict], a: Args):
     """The step before its first update: this rank's rows collated, with the inputs its terms read;
@@ -1010,10 +1017,10 @@ def prepare(model, ref_model, groups: list[dict], a: Args):
     reads, skip_flat, _ = probe(a)
     step_inputs(model, ref_model, batch, reads, a)
     step, mine = gather_step(batch)
-    adv, row_adv, mask, flat, stats, _ = step_terms(step, a)
+    adv, row_adv, mask, keep, flat, stats, _ = step_terms(step, a)
     n_seqs, n_tokens = torch.stack([(mask.sum(-1) > 0).sum().float(), mask.sum()]).tolist()  # every rank's
     C = batch["mask"].shape[1]
-    batch.update(adv=adv[mine, :C].to(device), mask=mask[mine, :C].to(device))  # (N, 1) or (N, C); (N, C)
+    batch.update(adv=adv[mine, :C].to(device), mask=mask[mine, :C].to(device), keep=keep[mine, :C].to(device))
     for g, group_adv in zip(groups, row_adv[mine].split([len(g["completions"]) for g in groups])):
         g["adv"] = group_adv
     skip = flat[mine].to(device) & skip_flat
