@@ -597,7 +597,8 @@ def test_clip_cov_against_verl(kw, seed, value, grad, drawn):
     assert grad is None or near(g, grad)
     if seed is not None:
         torch.manual_seed(seed)
-    _, diag, _ = grpo.token_objective(x["logp"], x["entropy"], x, grpo.Args(num_iterations=2, surrogate="clip_cov", **kw))
+    _, diag, _ = grpo.token_objective(x["logp"], x["entropy"], x, grpo.Args(num_iterations=2, surrogate="clip_cov",
+                                                                             **kw))
     assert token_mean(diag, x["mask"], "loss/cov_frac") == drawn / 13  # verl's pg_clipfrac: the tokens held back
 
 
@@ -915,8 +916,9 @@ def test_gdpo_weighs_each_reward_as_build_rewards_reads_rewards():
     spaced = replace(a, rewards=" correct: , format : 0.5 ")
     assert [(n, w) for n, _, w in grpo.build_rewards(spaced)] == [("correct", 1.0), ("format", 0.5)]
     assert torch.equal(step(spaced, per_fn @ torch.tensor([1, 0.5]).double(), per_fn=per_fn)[1], want)
-    halved = step(replace(a, rewards="correct,format:0.25"), per_fn @ torch.tensor([1, 0.25]).double(), per_fn=per_fn)[1]
-    assert not torch.allclose(halved, want)  # the weight reaches the sum
+    quarter = replace(a, rewards="correct,format:0.25")
+    other = step(quarter, per_fn @ torch.tensor([1, 0.25]).double(), per_fn=per_fn)[1]
+    assert not torch.allclose(other, want)  # the weight reaches the sum
 
 
 def test_kl_in_reward_by_hand_and_against_verl():
@@ -1565,8 +1567,10 @@ def test_dry_run_prints_the_objective_then_the_flags(capsys):
         assert "(no A is 0)" in out and "those of equal rewards trained: their A is not 0\n" in out
     grpo.main(["--algo", "drgrpo", "--dry-run", "--kl-in-reward", "0.1"])  # equal rewards less unequal KLs
     assert "those of equal rewards trained: their A is not 0\n" in capsys.readouterr().out
-    grpo.main(["--algo", "drgrpo", "--dry-run", "--teacher-pool", "p.jsonl", "--teacher-per-group", "2", "--split-grads"])
-    assert "first EOS; ∇ = g_s + g_t, the student's and the teacher's rows backpropagated apart\n" in capsys.readouterr().out
+    grpo.main(["--algo", "drgrpo", "--dry-run", "--teacher-pool", "p.jsonl", "--teacher-per-group", "2",
+               "--split-grads"])
+    out = capsys.readouterr().out
+    assert "first EOS; ∇ = g_s + g_t, the student's and the teacher's rows backpropagated apart\n" in out
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(beta=0.04), dict(adv_estimator="rloo"), dict(kl_in_reward=0.1),
@@ -1577,8 +1581,8 @@ def test_dry_run_says_what_the_step_does_with_an_equal_reward_group(kw):
     and skipped, exactly where the words say so."""
     a = grpo.Args(num_generations=2, **kw)
     x = peer_inputs()
-    _, row_adv, _, _, flat, *_ = step(a, [1.0, 1.0, 0.0, 1.0], x["mask"], old_logp=x["old_logp"], ref_logp=x["ref_logp"],
-                                   per_fn=torch.tensor([[1.0, 0], [0, 2], [0, 0], [1, 0]]))
+    _, row_adv, _, _, flat, *_ = step(a, [1.0, 1.0, 0.0, 1.0], x["mask"], old_logp=x["old_logp"],
+                                      ref_logp=x["ref_logp"], per_fn=torch.tensor([[1.0, 0], [0, 2], [0, 0], [1, 0]]))
     _, skip, words = grpo.probe(a)
     said = grpo.describe(a).split("those of equal rewards ")[1].split("\n")[0]
     assert said == words["equal"] and bool(flat[0]) == (row_adv[:2] == 0).all()  # flat: A = 0 there
