@@ -782,9 +782,8 @@ def step_terms(s: dict, a: Args):
     the completion mask (M, C), truncated, is_teacher, per_fn, sampler_logp and the step inputs a term
     reads. Returns the advantages (M, 1), or (M, C) per token, A_i (M,), the loss mask (M, C), the tokens the
     policy loss and the entropy bonus act on (M, C), the rows of equal-reward groups (A = 0), metrics and
-    --dry-run's words. FORKER: a reward-, advantage- or mask-level
-    term is a line here and its words the next; a statistic over the step (a quantile, a batch std) sees
-    every rank's rows."""
+    --dry-run's words. FORKER: a reward-, advantage- or mask-level term is a line here and its words the
+    next; a statistic over the step (a quantile, a batch std) sees every rank's rows."""
     R, mask, stats, G = s["reward"], s["mask"], {}, a.num_generations + a.teacher_per_group
     words = {"R": "", "m": "1 up to and including the first EOS"}
     if a.kl_in_reward:  # as verl's use_kl_in_reward: k1 = log π_old - log π_ref summed over o_i
