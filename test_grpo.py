@@ -669,7 +669,7 @@ def quantile_kept(x, rho):  # the step's top-rho tokens of peer_inputs by entrop
 def test_gmpo_with_the_entropy_quantile_against_trl(rho, eps, value, grad):
     """TRL 1.16.0 GMPOTrainer._compute_loss (top_entropy_quantile rho, epsilon eps; one micro-batch holding the step)
     on peer_inputs: the geometric mean over the kept tokens, each row -A_i times it, a mean over rows: --loss-agg
-    seq-mean-token-mean. (Scaled by kept / |o_i|, as grpo.py had it, the first would be 0.0064.)"""
+    seq-mean-token-mean. (Each row scaled by kept / |o_i|, as grpo.py had it, the first gave 0.2032.)"""
     x = peer_inputs()
     x["adv"] = x["adv"] * quantile_kept(x, rho)
     loss, g, _ = objective(x, "seq-mean-token-mean", surrogate="gmpo", eps_low=eps, eps_high=eps)
