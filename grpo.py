@@ -62,9 +62,8 @@ def fail(msg: str):
 
 # ----------------------------------------------------------------------------- flags and presets
 def flag(default, help, choices=(), bounds="[0, inf)"):
-    """A flag: its default, also its "off" value (allowed whatever the bounds), help, choices, and for a
-    number the interval it must lie in (check_args enforces it; the dry-run test turns the flag on inside
-    it)."""
+    """A flag: its default, also "off" (allowed whatever the bounds), help, choices, and for a number the
+    interval it must lie in (check_args enforces it; the dry-run test turns the flag on inside it)."""
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "bounds": bounds})
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -118,28 +117,28 @@ class Args:
     max_gen_rounds: int = flag(4, "sampling rounds a step at most (dynamic sampling)", bounds="(0, inf)")
     top_k_groups: int = flag(0, "keep the k groups with the largest reward std (0: off)")
     skip_zero_variance: bool = flag(True, "no forward/backward of equal-reward groups, if it changes nothing")
-    top_entropy_quantile: float = flag(1.0, "ρ: policy loss on the top ρ of tokens by H", bounds="[0, 1]")
+    top_entropy_quantile: float = flag(1.0, "ρ: only top-ρ tokens by H train (80/20: 0.2)", bounds="[0, 1]")
     loss_agg: str = flag("seq-mean-token-mean", "token losses to one number", LOSS_AGGS)  # loss
     eps_low: float = flag(0.2, "ratio clipped below at 1 - eps_low", bounds="[0, 1)")
     eps_high: float = flag(0.2, "ratio clipped above at 1 + eps_high (DAPO clip-higher: 0.28)")
     ratio: str = flag("token", "token: pi / pi_old | sequence: GSPO's", ("token", "sequence"))
-    surrogate: str = flag("clip", "the token loss (policy_loss)", ("clip", "cispo", "sapo", "gmpo", "vespo",
-                                                                    "clip_cov", "kl_cov"))
-    sapo_tau_pos: float = flag(1.0, "SAPO gate temperature where A > 0", bounds="(0, inf)")
-    sapo_tau_neg: float = flag(1.05, "SAPO gate temperature where A < 0", bounds="(0, inf)")
-    dual_clip: float = flag(0.0, "c: where A < 0 the loss is at most c |A| (off: 0)", bounds="(1, inf)")
-    cov_ratio: float = flag(2e-4, "clip_cov, kl_cov: the share of tokens they select", bounds="[0, 1]")
-    cov_low: float = flag(1.0, "clip_cov: where cov_low < cov(A, log π) < cov_high", bounds="(-inf, inf)")
+    surrogate: str = flag("clip", "the token loss (policy_loss); gmpo's eps bound log r (paper: 0.4)",
+                          ("clip", "cispo", "sapo", "gmpo", "vespo", "clip_cov", "kl_cov"))
+    sapo_tau_pos: float = flag(1.0, "SAPO's gate τ where A > 0: larger, harder (paper 1)", bounds="(0, inf)")
+    sapo_tau_neg: float = flag(1.05, "τ where A < 0: above τ_pos, steadier (paper 1.05)", bounds="(0, inf)")
+    dual_clip: float = flag(0.0, "c: loss at most c|A| where A < 0, stale rows (verl 3)", bounds="(1, inf)")
+    cov_ratio: float = flag(2e-4, "clip_cov, kl_cov: share of tokens held back (verl)", bounds="(0, 1]")
+    cov_low: float = flag(1.0, "clip_cov draws at cov_low < cov(A, log π) < cov_high", bounds="(-inf, inf)")
     cov_high: float = flag(5.0, "clip_cov: see --cov-low", bounds="(-inf, inf)")
-    cov_kl_coef: float = flag(0.1, "kl_cov: the |log r| penalty's weight on the selected tokens")
-    opsm_delta: float = flag(math.inf, "δ: no policy loss where A < 0 and mean_t log π_sampler/π > δ")
+    cov_kl_coef: float = flag(0.1, "kl_cov: |log r|'s weight on the top-cov tokens, to keep entropy (verl)")
+    opsm_delta: float = flag(math.inf, "δ: no loss where A < 0 and mean log π_sampler/π > δ (TRL 0.5)")
     beta: float = flag(0.0, "KL weight against the reference (the adapter disabled)")
     kl: str = flag("k3", "KL term (kl_penalty)", ("k3", "k3_ratio", "k2"))
     mask_truncated: bool = flag(False, "DAPO §3.4 overlong filtering: no loss on completions without EOS")
-    tis: float = flag(0.0, "C: weight the policy loss by w = π_old/π_sampler at most C (0: off)")
-    tis_mode: str = flag("token_truncate", "w per token or its product over o_i; clamped, or 0 outside",
+    tis: float = flag(0.0, "C: loss × w = π_old/π_sampler ≤ C (TRL: 3; IcePop: 5)", bounds="[1, inf)")
+    tis_mode: str = flag("token_truncate", "w a token or o_i's product; clamped, or 0 outside (IcePop: mask)",
                          ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"))
-    tis_min: float = flag(0.0, "w's floor: clamped, or masked below it (IcePop's 0.5)")
+    tis_min: float = flag(0.0, "w's floor: clamped, or masked below it (IcePop: 0.5)", bounds="[0, 1)")
     entropy_coef: float = flag(0.0, "c: loss -= c H, the entropy bonus, aggregated as the loss")
     num_iterations: int = flag(1, "updates a step (if > 1, old_logp computed once)", bounds="(0, inf)")
     teacher_pool: str = flag("", "JSONL of cached teacher completions: prompt, completion, reward")  # pool
@@ -158,6 +157,11 @@ class Args:
     weight_decay: float = flag(0.0, "AdamW weight decay")
     max_grad_norm: float = flag(1.0, "clip the gradient norm (0: no clipping)")
 
+NEEDS = {  # a flag -> the flag it acts with (not at its default), or the values of it that it acts at
+    "tis_mode": "tis", "tis_min": "tis", "kl": "beta", "overlong_buffer": "overlong_penalty", "dual_clip":
+    "surrogate clip", "max_gen_rounds": "dynamic_sampling", "scale": "adv_estimator grpo", "sapo_tau_pos":
+    "surrogate sapo", "sapo_tau_neg": "surrogate sapo", "cov_kl_coef": "surrogate kl_cov", "cov_ratio":
+    "surrogate clip_cov kl_cov", "cov_low": "surrogate clip_cov", "cov_high": "surrogate clip_cov"}
 PATHS = ("model", "dataset", "eval_dataset", "reward_fn", "teacher_pool")  # RESUMABLE: may change on --resume
 RESUMABLE = {"resume", "overwrite", "output_dir", "max_steps", "save_every", "eval_every", "eval_prompts",
              "eval_samples", "log_samples", "wandb_project", "compile_generate", "dry_run", *PATHS,
@@ -208,7 +212,7 @@ def parse_args(argv=None) -> Args:
                 fail(f"--resume: --model {a.model!r} is not the model the run started from (its config or "
                      f"weights differ, or it is not there): give that model, or start a new run")
             print(f"grpo: note: the {dash(name)} file has changed since the run was saved", file=sys.stderr)
-    check_args(a)
+    check_args(a, given)
     return a
 
 def split_path(value: str) -> tuple[str, str]:  # PATH.py:FUNCTION, DIR[:CONFIG][@SPLIT] -> the path, the rest
@@ -223,16 +227,21 @@ def within(value, bounds: str) -> bool:  # bounds: an interval as written, "[0, 
     above = value >= low if bounds[0] == "[" else value > low
     return above and (value <= high if bounds[-1] == "]" else value < high)
 
-def check_args(a: Args):
+def check_args(a: Args, typed=()):
     """Flags that would misbehave silently, or fail late, fail here, the first found with what to change: a
-    number flag outside the bounds it declares (unless it is its default, "off"), then checks among flags."""
+    number flag outside the bounds it declares (unless it is its default, "off"), a flag typed (in `typed`; a
+    preset's or a saved run's value is not) where it does nothing, then checks among flags."""
     for f in dataclasses.fields(a):
         value = getattr(a, f.name)
         if type(value) in (int, float) and value != f.default and not within(value, f.metadata["bounds"]):
             fail(f"{dash(f.name)} must be in {f.metadata['bounds']}, not {value}")
+    for name in [name for name in typed if name in NEEDS]:  # a flag typed where it does nothing
+        on, *values = NEEDS[name].split()
+        needs = " or ".join(f"{dash(on)} {v}" for v in values) or dash(on)
+        if not (getattr(a, on) in values or not values and getattr(a, on)):
+            fail(f"{dash(name)} does nothing without {needs}: add it, or drop {dash(name)}")
     checks = [
         (not a.output_dir, "--output-dir must name a directory"),
-        (a.dual_clip and a.surrogate != "clip", "--dual-clip caps the clip surrogate: add --surrogate clip"),
         (a.num_generations + a.teacher_per_group < 2, "a group needs 2 completions: raise --num-generations"),
         (a.resume and a.overwrite, "--resume continues the run, --overwrite deletes it: give one"),
         (a.load_in_4bit and a.lora_r == 0, "--load-in-4bit trains LoRA adapters: set --lora-r > 0"),
@@ -241,12 +250,13 @@ def check_args(a: Args):
         (bool(a.teacher_pool) != (a.teacher_per_group > 0), "the mixed pool needs both --teacher-pool PATH "
                                                              "and --teacher-per-group G_T > 0"),
         (a.split_grads and not a.teacher_pool, "--split-grads needs --teacher-pool (the teacher half)"),
-        (a.adv_estimator == "gdpo" and (a.teacher_pool or a.overlong_penalty or a.kl_in_reward),
-         "--adv-estimator gdpo normalises each reward function apart: the pool's rewards, the overlong "
-         "penalty and --kl-in-reward have no parts"),
+        (a.adv_estimator == "gdpo" and (a.teacher_pool or a.kl_in_reward), "--adv-estimator gdpo normalises "
+         "each reward function apart: the pool's rewards and --kl-in-reward have no parts"),
+        (a.adv_estimator == "gdpo" and a.overlong_penalty, "--adv-estimator gdpo normalises each reward "
+         "function apart, and the overlong penalty has no parts: add --no-overlong-penalty"),
         (a.surrogate in ("gmpo", "vespo") and a.ratio == "sequence", "--surrogate gmpo and vespo take token "
          "ratios (their own mean and product over o_i): drop --ratio sequence"),
-        (a.tis and a.tis_min >= a.tis, "--tis-min must be below --tis (the floor and the cap of w)"),
+        (a.surrogate == "clip_cov" and a.cov_low >= a.cov_high, "--cov-low must be below --cov-high"),
         (a.dataset == a.eval_dataset == "" and a.eval_prompts > HELD_OUT, f"--eval-prompts: the built-in "
          f"task has {HELD_OUT}"),
         (not a.rewards.strip(", ") and not a.reward_fn, "no reward: give --rewards and/or --reward-fn"),
@@ -515,18 +525,26 @@ def compile_sampler(model, a: Args, prompt_len: int, world: int = 1) -> dict | N
     return dict(prompt_len=prompt_len, rows=rows, compile_config=config)
 
 # ----------------------------------------------------------------------------- reward and groups
+def parse_rewards(spec: str) -> list[tuple[str, str, float]]:
+    """--rewards, the one parse of it: "correct:1, format : 0.2" -> (name, weight as written, its value: 1 if
+    none is written, NaN if it is not a number)."""
+    out = []
+    for part in filter(None, spec.split(",")):
+        name, _, weight = [s.strip() for s in part.partition(":")]
+        try:
+            out.append((name, weight, float(weight or 1)))
+        except ValueError:
+            out.append((name, weight, math.nan))
+    return out
+
 def build_rewards(a: Args) -> list[tuple[str, object, float]]:
     fns = []
-    for part in filter(None, a.rewards.split(",")):
-        name, _, weight = [s.strip() for s in part.partition(":")]
+    for name, written, weight in parse_rewards(a.rewards):
         if name not in REWARDS:
             fail(f"--rewards: unknown reward {name!r}; built-ins are {', '.join(REWARDS)}")
-        try:
-            fns.append((name, REWARDS[name], float(weight or 1)))
-        except ValueError:
-            fns.append((name, REWARDS[name], math.nan))
-        if not finite32(fns[-1][2]):
-            fail(f"--rewards: weight {weight!r} of {name!r} is not a number finite in float32")
+        if not finite32(weight):
+            fail(f"--rewards: weight {written!r} of {name!r} is not a number finite in float32")
+        fns.append((name, REWARDS[name], weight))
     if a.reward_fn:
         path, _, name = a.reward_fn.rpartition(":")
         if not path.endswith(".py") or not os.path.isfile(path):
@@ -762,10 +780,10 @@ def soft_weights(stds: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 def step_terms(s: dict, a: Args):
     """The step as one process sees it: every rank's rows in sampling order, G a group. s: rewards R (M,),
     the completion mask (M, C), truncated, is_teacher, per_fn, sampler_logp and the step inputs a term
-    reads. Returns the advantages (M, 1), or (M, C) per token, A_i (M,), the loss mask (M, C), the rows of
-    equal-reward groups (A = 0), metrics and --dry-run's words. FORKER: a reward-, advantage- or mask-level
-    term is a line here and its words the next; a statistic over the step (a quantile, a batch std) sees
-    every rank's rows."""
+    reads. Returns the advantages (M, 1), or (M, C) per token, A_i (M,), the loss mask (M, C), the tokens the
+    policy loss and the entropy bonus act on (M, C), the rows of equal-reward groups (A = 0), metrics and
+    --dry-run's words. FORKER: a reward-, advantage- or mask-level term is a line here and its words the
+    next; a statistic over the step (a quantile, a batch std) sees every rank's rows."""
     R, mask, stats, G = s["reward"], s["mask"], {}, a.num_generations + a.teacher_per_group
     words = {"R": "", "m": "1 up to and including the first EOS"}
     if a.kl_in_reward:  # as verl's use_kl_in_reward: k1 = log π_old - log π_ref summed over o_i
@@ -788,7 +806,7 @@ def step_terms(s: dict, a: Args):
         words["A"] = "(a_i - mean_t(a)) / std_t(a) over the step's tokens, a_i = R_i - mean_g(R) (no A is 0)"
     if a.adv_estimator == "gdpo":  # GDPO (2601.05242), as TRL's normalize_then_sum: each reward normalised in
         parts = s["per_fn"].T.reshape(-1, *rewards.shape)  # its group, weighted, summed, then whitened over
-        weights = [float(w or 1) for _, _, w in (p.partition(":") for p in a.rewards.split(",") if p)]
+        weights = [w for _, _, w in parse_rewards(a.rewards)]  # as build_rewards weighs them
         S = sum(w * group_advantages(r, "std", a.std_eps)[0] for w, r in zip(weights + [1.0], parts))
         adv = (S - S.mean()) / (S.std() + a.std_eps)  # the step's completions
         flat = flat & False  # equal totals need not mean equal parts
@@ -803,13 +821,16 @@ def step_terms(s: dict, a: Args):
         words["m"] += ", 0 on a truncated completion"
     row_adv = adv.reshape(-1)  # (M,): A_i; then token-level terms
     adv = row_adv[:, None]
-    if a.top_entropy_quantile < 1 and mask.any():  # 80/20 (2506.01939): the policy loss on the top-ρ of
-        H = s["old_entropy"]  # the step's trained tokens by π_old's entropy (KL, normalisers as they were)
-        ranked = H[mask > 0].sort().values  # torch.quantile's linear rule; it refuses over 2^24 tokens
+    keep = mask > 0
+    if a.top_entropy_quantile < 1 and mask.any():  # 80/20 (2506.01939): the policy loss (and the entropy
+        H = s["old_entropy"]  # bonus, as TRL's) on the top-ρ of the step's trained tokens by π_old's H
+        ranked = H[keep].sort().values  # torch.quantile's linear rule; it refuses over 2^24 tokens
         at = torch.tensor(1 - a.top_entropy_quantile, dtype=H.dtype) * (len(ranked) - 1)
-        adv = adv * (H >= torch.lerp(ranked[at.long()], ranked[at.ceil().long()], at - at.long()))
+        keep = keep & (H >= torch.lerp(ranked[at.long()], ranked[at.ceil().long()], at - at.long()))
+        adv = adv * keep  # (KL, normalisers as they were)
+        stats["loss/low_entropy_frac"] = 1 - keep.sum().item() / len(ranked)  # the share of tokens dropped
         words["A"] += f"  ·  1[H_i,t ≥ its {1 - a.top_entropy_quantile:g} quantile in the step]"
-    return adv, row_adv, mask, flat, stats, words
+    return adv, row_adv, mask, keep, flat, stats, words
 
 # ----------------------------------------------------------------------------- the token loss
 def policy_loss(logp, old_logp, adv, mask, a: Args):
@@ -832,9 +853,10 @@ def policy_loss(logp, old_logp, adv, mask, a: Args):
         loss = -clipped.detach() * adv * logp
         words["ℓ"] = f"-sg({clip})·A_i·log π_θ"
     elif a.surrogate == "gmpo":  # GMPO (2507.20673), verl's geo_mean; its mean skips tokens whose A is 0
-        kept = (mask != 0) & (adv != 0)
+        kept = (mask != 0) & (adv != 0)  # (those the entropy quantile drops too, as TRL's GMPO)
         log_r = torch.where(adv > 0, log_ratio.clamp(max=a.eps_high), log_ratio.clamp(min=-a.eps_low)) * kept
-        loss = -adv * torch.exp(log_r.sum(-1, keepdim=True) / kept.sum(-1, keepdim=True).clamp(min=1))
+        A = adv.expand_as(logp).gather(-1, kept.int().argmax(-1, keepdim=True))  # A_i, not x a share kept
+        loss = -A * torch.exp(log_r.sum(-1, keepdim=True) / kept.sum(-1, keepdim=True).clamp(min=1))  # (N, 1)
         words["ℓ"] = f"-A_i·exp(mean_t clip(log r_t, -{a.eps_low:g}, {a.eps_high:g}) on A_i's side)"
     elif a.surrogate == "vespo":  # VESPO (2602.10693), TRL's k and λ
         log_w = log_ratio.detach().clamp(-20, 20).sum(-1, keepdim=True).clamp(math.log(1e-8), 20)  # (N, 1)
@@ -842,8 +864,8 @@ def policy_loss(logp, old_logp, adv, mask, a: Args):
         lam = torch.where(adv >= 0, 3.0, 2.0)
         loss = -torch.exp(lam + k * log_w - lam * log_w.exp()) * adv * logp  # w = e^log_w, at most e^20
         words["ℓ"] = "-sg(w^k e^(λ(1-w)))·A_i·log π_θ (w = Π_t r_t; k, λ = 2, 3, or 3, 2 if A_i < 0)"
-    elif a.surrogate in ("clip_cov", "kl_cov"):
-        loss, words["ℓ"] = cov_loss(ratio, clipped, log_ratio, logp, adv, mask, a)
+    elif a.surrogate in ("clip_cov", "kl_cov"):  # loss/cov_frac: the share of tokens they hold back
+        loss, diag["loss/cov_frac"], words["ℓ"] = cov_loss(ratio, clipped, log_ratio, logp, adv, mask, a)
     elif a.surrogate == "sapo":  # SAPO (2511.20347)
         tau = torch.where(adv > 0, a.sapo_tau_pos, a.sapo_tau_neg)
         loss = -(4 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv
@@ -859,22 +881,22 @@ def policy_loss(logp, old_logp, adv, mask, a: Args):
 
 def cov_loss(ratio, clipped, log_ratio, logp, adv, mask, a: Args):
     """Clip-Cov and KL-Cov (2505.22617 §4.3), as verl's, over a micro-batch's tokens: per token, cov =
-    (A - mean A)(log pi - mean log pi), and n = max(1, cov_ratio x tokens) are selected; the loss, its words
-    (which say what each does with them)."""
+    (A - mean A)(log pi - mean log pi), and n = max(1, cov_ratio x tokens) are selected; the loss, the tokens
+    selected (N, C) and its words (which say what each does with them)."""
     m = mask != 0
     cov = (adv - adv.expand_as(logp)[m].mean()) * (logp - logp[m].mean()).detach()  # (N, C)
     n = max(1, int(a.cov_ratio * m.sum()))
     if a.surrogate == "clip_cov":
         loss = -torch.min(ratio * adv, clipped * adv)
         free = (m & (loss == -ratio * adv) & (cov > a.cov_low) & (cov < a.cov_high)).flatten().nonzero()[:, 0]
-        loss = loss.flatten().index_fill(0, free[torch.randperm(len(free))[:n]], 0).view_as(loss)
+        drawn = torch.zeros_like(m).flatten().index_fill(0, free[torch.randperm(len(free))[:n]], 1).view_as(m)
         clip = f"clip(r, 1-{a.eps_low:g}, 1+{a.eps_high:g})"
-        return loss, (f"-min(r·A_i, {clip}·A_i) (0 at {a.cov_ratio:g} of the tokens, drawn where "
-                      f"{a.cov_low:g} < cov(A, log π) < {a.cov_high:g})")
+        words = f"-min(r·A_i, {clip}·A_i) (0 at {a.cov_ratio:g} of the tokens, drawn where {a.cov_low:g} < "
+        return loss.where(~drawn, 0), drawn, words + f"cov(A, log π) < {a.cov_high:g})"
     top = cov.where(m, -math.inf).flatten().topk(n).indices  # kl_cov
     picked = torch.zeros_like(logp).flatten().index_fill(0, top, 1).view_as(logp)
     words = f"(-r·A_i + {a.cov_kl_coef:g}·|log r| at the top {a.cov_ratio:g} of tokens by cov(A, log π))"
-    return -ratio * adv + a.cov_kl_coef * picked * log_ratio.abs(), words
+    return -ratio * adv + a.cov_kl_coef * picked * log_ratio.abs(), picked > 0, words
 
 def kl_penalty(logp, ref_logp, kind: str = "k3", old_logp=None):
     """Per-token KL (Schulman, "Approximating KL divergence", 2020), d = log ref - log pi; gradients under pi:
@@ -931,7 +953,8 @@ def token_objective(logp, entropy, b: dict, a: Args):
     if a.opsm_delta < math.inf:  # off-policy sequence masking: DeepSeek-V3.2 (2512.02556) eq. 9, as TRL's
         drift = torch.where(known, b["sampler_logp"], old_logp) - logp.detach()  # teacher rows: π_old
         drift = torch.where(b["mask"] > 0, drift, 0).sum(-1, keepdim=True) / b["mask"].sum(-1, keepdim=True)
-        loss = loss * ((b["adv"] >= 0) | (drift <= a.opsm_delta))
+        diag["loss/opsm_frac"] = (b["adv"] < 0) & (drift > a.opsm_delta)  # (N, 1): the rows dropped
+        loss = loss * ~diag["loss/opsm_frac"]
         words["ℓ"] = f"({words['ℓ']})·1[A_i ≥ 0 or mean_t log π_sampler/π_θ ≤ {a.opsm_delta:g}]"
     # IS against the sampler: truncated (Yao et al. 2025, "Your efficient RL framework secretly brings you
     # off-policy RL training"), or masked outside [tis_min, tis] (IcePop); per token, or o_i's product
@@ -939,6 +962,7 @@ def token_objective(logp, entropy, b: dict, a: Args):
         log_w = torch.where(known, old_logp - b["sampler_logp"], 0)
         w = torch.exp(log_w if a.tis_mode.startswith("token") else log_w.sum(-1, keepdim=True))
         inside = (w >= a.tis_min) & (w <= a.tis)
+        diag["loss/tis_frac"] = known & ~inside  # the tokens whose w is masked (0) or clamped
         w = torch.where(inside, w, 0) if a.tis_mode.endswith("mask") else w.clamp(a.tis_min, a.tis)
         loss = loss * torch.where(known, w, 1)  # teacher rows (no sampler): 1
         words["ℓ"] = f"({words['ℓ']})·{a.tis_mode}(π_old/π_sampler, [{a.tis_min:g}, {a.tis:g}])"
@@ -949,7 +973,7 @@ def token_objective(logp, entropy, b: dict, a: Args):
         diag["kl"] = kl_penalty(logp.detach(), ref)
         words["ℓ"] += f" + {a.beta:g}·KL_{a.kl}(π_θ, π_ref)"
     if a.entropy_coef:  # the entropy bonus (TRL's entropy_coef, verl's entropy_coeff)
-        loss = loss - a.entropy_coef * entropy
+        loss = loss - a.entropy_coef * entropy * b["keep"]  # (the tokens the policy loss acts on)
         words["ℓ"] += f" - {a.entropy_coef:g}·H(π_θ)"
     diag["loss/token_mean"] = loss.detach()
     diag["policy/entropy"] = entropy.detach()
@@ -957,25 +981,30 @@ def token_objective(logp, entropy, b: dict, a: Args):
 
 # ----------------------------------------------------------------------------- the step
 def probe(a: Args):
-    """The step's terms on made-up numbers (a group of G rows of 3 tokens), no model: the step inputs they
-    read (computed for a step then, and only then), whether equal-reward groups are skipped
-    (--skip-zero-variance, and ∇ℓ = 0 where A = 0: skipping them changes nothing), and the words each term
-    wrote for --dry-run."""
+    """The step's terms on made-up numbers (a group of G rows of 3 tokens, equal rewards), no model: the
+    step inputs they read (computed for a step then, and only then), whether the rows step_terms flags
+    A = 0 are skipped (--skip-zero-variance, and ∇ℓ = 0 where A = 0: skipping them changes nothing), and
+    the words each term wrote for --dry-run, with what becomes of an equal-reward group."""
     G = a.num_generations + a.teacher_per_group
     gen = torch.Generator().manual_seed(0)
     def made_up():  # (G, 3) log-probs: any step input a term reads
         return torch.rand(G, 3, generator=gen).log()
-    rows = dict(reward=torch.arange(G, dtype=torch.float), order=torch.zeros(G, dtype=torch.long),
+    rows = dict(reward=torch.zeros(G), order=torch.zeros(G, dtype=torch.long),  # a group of equal rewards
                 mask=torch.ones(G, 3), truncated=torch.zeros(G, dtype=torch.bool),
                 is_teacher=torch.zeros(G, dtype=torch.bool), sampler_logp=made_up(), per_fn=made_up())
-    step = collections.defaultdict(made_up, rows, adv=torch.zeros(G, 1))  # A = 0
-    words = step_terms(step, a)[-1]
+    step = collections.defaultdict(made_up, rows, adv=torch.zeros(G, 1), keep=torch.ones(G, 3))  # A = 0
+    _, _, _, _, flat, _, words = step_terms(step, a)
     logp = made_up().requires_grad_()
     entropy = torch.rand(G, 3, generator=gen).requires_grad_()
     loss, _, more = token_objective(logp, entropy, step, a)
     loss.sum().backward()
     skip = a.skip_zero_variance and not logp.grad.any() and (entropy.grad is None or not entropy.grad.any())
-    return set(step) - set(rows) - {"adv"}, skip, {**words, **more}
+    words["equal"] = "(A = 0) trained"  # what prepare does with the rows step_terms flags: flat & skip
+    if skip:
+        words["equal"] = "(A = 0) skipped: ∇ℓ = 0 there"
+    if not flat.all():  # step_terms flags no such group: their A is not 0 (whitened, or the KL in R)
+        words["equal"] = "trained: their A is not 0"
+    return set(step) - set(rows) - {"adv", "keep"}, skip, {**words, **more}
 
 def prepare(model, ref_model, groups: list[dict], a: Args):
     """The step before its first update: this rank's rows collated, with the inputs its terms read;
@@ -987,10 +1016,10 @@ def prepare(model, ref_model, groups: list[dict], a: Args):
     reads, skip_flat, _ = probe(a)
     step_inputs(model, ref_model, batch, reads, a)
     step, mine = gather_step(batch)
-    adv, row_adv, mask, flat, stats, _ = step_terms(step, a)
+    adv, row_adv, mask, keep, flat, stats, _ = step_terms(step, a)
     n_seqs, n_tokens = torch.stack([(mask.sum(-1) > 0).sum().float(), mask.sum()]).tolist()  # every rank's
     C = batch["mask"].shape[1]
-    batch.update(adv=adv[mine, :C].to(device), mask=mask[mine, :C].to(device))  # (N, 1) or (N, C); (N, C)
+    batch.update(adv=adv[mine, :C].to(device), mask=mask[mine, :C].to(device), keep=keep[mine, :C].to(device))
     for g, group_adv in zip(groups, row_adv[mine].split([len(g["completions"]) for g in groups])):
         g["adv"] = group_adv
     skip = flat[mine].to(device) & skip_flat
@@ -1031,7 +1060,7 @@ def train_step(model, ref_model, opt, groups: list[dict], a: Args) -> dict:
         # the step's gradient is the SUM of the ranks' (each rank's loss carries the global normaliser)
         for g in sum(grads.values(), []) or [p.grad for p in params]:
             all_sum(g)
-        out = edit_source_grads(grads, params, a)
+        out, _ = edit_source_grads(grads, params, a)
         every = all_gather({k: float(v) for k, v in sums.items()})
         total = {k: sum(d.get(k, 0.0) for d in every) for k in set().union(*every)}
         norm = torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm or math.inf).item()
@@ -1046,11 +1075,13 @@ def train_step(model, ref_model, opt, groups: list[dict], a: Args) -> dict:
         out["sampler/logp_gap_max"] = max(d.get("max:sampler/logp_gap", -math.inf) for d in every)
     return {**stats, **out, "loss": total["loss"], "train/rows": total["train/rows"]}
 
-def edit_source_grads(grads: dict, params: list, a: Args) -> dict:
+def edit_source_grads(grads: dict, params: list, a: Args) -> tuple[dict, str]:
     """--split-grads: the student and teacher gradients g_s, g_t, summed over micro-batches and ranks, before
-    clipping and the step; .grad = g_s + g_t, the full-batch gradient. FORKER: project or drop either here."""
-    if not grads:
-        return {}
+    clipping and the step; .grad = g_s + g_t, the full-batch gradient; its metrics and --dry-run's words (also
+    with no grads). FORKER: project or drop either here."""
+    words = "; ∇ = g_s + g_t, the student's and the teacher's rows backpropagated apart"
+    if not grads:  # none without --split-grads; --dry-run's call
+        return {}, words if a.split_grads else ""
     g_s, g_t = grads["student"], grads["teacher"]
     norm_s = torch.sqrt(sum((g * g).sum() for g in g_s))
     norm_t = torch.sqrt(sum((g * g).sum() for g in g_t))
@@ -1058,7 +1089,7 @@ def edit_source_grads(grads: dict, params: list, a: Args) -> dict:
     for p, s, t in zip(params, g_s, g_t):
         p.grad = s + t
     return {"grad/norm_student": norm_s.item(), "grad/norm_teacher": norm_t.item(),
-            "grad/cos_student_teacher": cos.item()}
+            "grad/cos_student_teacher": cos.item()}, words
 
 # ============================================================================= run-keeping
 # Nothing below changes the algorithm: evaluation, processes, checkpoints, logs, signals, --dry-run, main().
@@ -1351,19 +1382,19 @@ def end_step(run, a: Args, step: int, m: dict, generated: list[dict]) -> bool:
 def describe(a: Args) -> str:
     """--dry-run: the loss the flags optimise, in the words each term writes beside its math (probe: made-up
     numbers, no model, no data), then every flag."""
-    _, skip_flat, w = probe(a)
+    w = probe(a)[2]
     G = a.num_generations + a.teacher_per_group
     shaping = score([], [], [], [], a)[2]  # what is added to the rewards' sum
     reward = " + ".join(filter(None, [a.rewards.replace(",", " + "), a.reward_fn])) + shaping
-    skipped = "skipped: ∇ℓ = 0 there" if skip_flat else "trained"
     norm = aggregate_loss(torch.ones(1, 1), torch.ones(1, 1), a.loss_agg, a.max_new_tokens)[1]
-    lines = [f"loss = {norm},  Σ_t over m_i,t = {w['m']}", f"  ℓ_i,t = {w['ℓ']},  r = {w['r']}",
+    split = edit_source_grads({}, [], a)[1]
+    lines = [f"loss = {norm},  Σ_t over m_i,t = {w['m']}{split}", f"  ℓ_i,t = {w['ℓ']},  r = {w['r']}",
              f"  π_old = {w['π_old']}", f"  A_i = {w['A']}", f"  R_i = {reward}{w['R']}",
              f"  o_1..{G} ~ π_old(·|q), {a.teacher_per_group} of them from the pool (R frozen), temp. "
              f"{a.temperature:g}, top-p {a.top_p:g}, top-k {a.top_k}, |o_i| ≤ {a.max_new_tokens}; B = "
              f"{a.prompts_per_step} prompts q a step",
              f"  groups trained: {select_groups(torch.arange(G)[None].float(), a)[2]}; those of equal "
-             f"rewards (A = 0) {skipped}"]
+             f"rewards {w['equal']}"]
     flags = " ".join(f"{dash(k)} {v!r}" for k, v in vars(a).items())
     return "\n".join(lines + ["", textwrap.fill(flags, 100)])
 

@@ -365,11 +365,13 @@ def test_top_entropy_keeps_the_tokens_at_or_above_the_step_s_quantile_by_hand():
     H = torch.tensor([[0.5, 2.0, 1.0, 3.0], [2.0, 0.1, 9.0, 9.0]], dtype=torch.float64)  # 9.0: padding
     # the 6 trained entropies sorted: 0.1 0.5 1.0 2.0 2.0 3.0; the 0.6 quantile sits at (6 - 1) * 0.6 = 3: 2.0,
     # and both 2.0s are kept (3 of 6 tokens, more than rho of them). With the padding's 9s it would be 2.2.
-    adv, row_adv, m, *_ = step(a, [1.0, 0.0], mask, old_entropy=H)
+    adv, row_adv, m, keep, _, stats, _ = step(a, [1.0, 0.0], mask, old_entropy=H)
     assert row_adv.tolist() == [0.5, -0.5] and torch.equal(m, mask.double())  # the normalisers as they were
-    assert (adv * mask).tolist() == [[0, 0.5, 0, 0.5], [-0.5, 0, 0, 0]]
-    adv, *_ = step(replace(a, top_entropy_quantile=0.0), [1.0, 0.0], mask, old_entropy=H)  # rho 0: the max, 3.0
-    assert (adv * mask).tolist() == [[0, 0, 0, 0.5], [0, 0, 0, 0]]
+    assert (adv * mask).tolist() == [[0, 0.5, 0, 0.5], [-0.5, 0, 0, 0]] and torch.equal(keep, adv != 0)
+    assert stats["loss/low_entropy_frac"] == 0.5  # 3 of the 6 tokens dropped
+    adv, _, _, _, _, stats, _ = step(replace(a, top_entropy_quantile=0.0), [1.0, 0.0], mask, old_entropy=H)
+    assert (adv * mask).tolist() == [[0, 0, 0, 0.5], [0, 0, 0, 0]]  # rho 0: the max, 3.0
+    assert stats["loss/low_entropy_frac"] == 5 / 6
     adv, *_ = step(replace(a, top_entropy_quantile=1.0), [1.0, 0.0], mask)  # off: reads no entropy
     assert adv.shape == (2, 1)
 
@@ -408,7 +410,7 @@ def peer_inputs():
     order = entropy[mask.bool()].argsort()
     entropy[tuple(where[order[7]])] = entropy[tuple(where[order[6]])]
     assert logp[0, 0].item() == -1.9901059865951538  # torch's generator draws what it drew for the peers
-    return dict(mask=mask, logp=logp, old_logp=old, sampler_logp=sampler, ref_logp=ref, entropy=entropy,
+    return dict(mask=mask, keep=mask > 0, logp=logp, old_logp=old, sampler_logp=sampler, ref_logp=ref, entropy=entropy,
                 adv=torch.tensor([[1.2], [-0.7], [0.5], [-1.5]], dtype=f64))
 
 
@@ -421,6 +423,10 @@ def objective(x, agg="token-mean", **kw):
     total = grpo.aggregate_loss(loss, x["mask"], agg, x["mask"].shape[1])[0]
     g_logp, g_entropy = torch.autograd.grad(total, [logp, entropy], allow_unused=True)
     return total.item(), g_logp, torch.zeros_like(entropy) if g_entropy is None else g_entropy
+
+
+def token_mean(diag, mask, key):  # a diagnostic as train_step logs it: its mean over the trained tokens
+    return torch.where(mask > 0, diag[key], 0).sum().item() / (mask > 0).sum().item()
 
 
 def near(got, want, atol=1e-9):  # the peers' gradients below are rounded to 10 decimals
@@ -440,8 +446,9 @@ def test_opsm_drops_negative_rows_whose_sampler_drifted_past_delta_by_hand():
     x = dict(mask=mask, logp=-torch.ones(6, 3), old_logp=old, sampler_logp=sampler, entropy=torch.zeros(6, 3),
              adv=torch.tensor([[-1.0], [-1], [1], [-1], [-1], [-1]]))
     logp = x["logp"].clone().requires_grad_()
-    loss, _, _ = grpo.token_objective(logp, x["entropy"], x, grpo.Args(num_iterations=2, opsm_delta=0.5))
+    loss, diag, _ = grpo.token_objective(logp, x["entropy"], x, grpo.Args(num_iterations=2, opsm_delta=0.5))
     g, = torch.autograd.grad((loss * mask).sum(), logp)
+    assert token_mean(diag, mask, "loss/opsm_frac") == 7 / 16  # rows 1, 3 and 4 dropped: 3 + 1 + 3 of 16 tokens
     e = math.exp(0.5)  # row 0: r = e^0.5 with A = -1, unclipped on that side: loss -r A = r, gradient -A r = r
     want = torch.tensor([[e] * 3, [0] * 3, [-1] * 3, [0] * 3, [0] * 3, [1] * 3]) * mask
     assert torch.allclose(loss * mask, want) and torch.allclose(g, want)
@@ -492,7 +499,7 @@ def test_entropy_bonus_by_hand():
     mask = torch.tensor([[1.0, 1, 0], [1, 0, 0]])
     H = torch.tensor([[1.0, 2.0, 7.0], [4.0, 7.0, 7.0]], requires_grad=True)
     logp = torch.full((2, 3), -1.0, requires_grad=True)
-    b = dict(adv=torch.zeros(2, 1), mask=mask, sampler_logp=torch.full((2, 3), math.nan))
+    b = dict(adv=torch.zeros(2, 1), mask=mask, keep=mask > 0, sampler_logp=torch.full((2, 3), math.nan))
     loss, _, _ = grpo.token_objective(logp, H, b, grpo.Args(entropy_coef=0.1))
     for agg, value, g in (("token-mean", -0.1 * (1 + 2 + 4) / 3, [[-0.1 / 3] * 2 + [0], [-0.1 / 3, 0, 0]]),
                           ("seq-mean-token-mean", -0.1 * ((1 + 2) / 2 + 4) / 2, [[-0.025, -0.025, 0], [-0.05, 0, 0]])):
@@ -570,15 +577,15 @@ def test_clip_cov_by_hand():
     assert g[0, 0] == 0 and g[1, 1] != 0
 
 
-@pytest.mark.parametrize("kw, seed, value, grad", [
-    (dict(cov_ratio=1.0), None, -0.672332155552938, None),  # every candidate (one: [1, 0], cov 1.0078)
-    (dict(), 0, -0.672332155552938, None),  # the defaults: max(1, int(2e-4 * 13)) = 1 token, the same one
-    (dict(cov_ratio=1.0, cov_low=0.1), None, -0.3683118631915567, None),  # 4 candidates, all
+@pytest.mark.parametrize("kw, seed, value, grad, drawn", [
+    (dict(cov_ratio=1.0), None, -0.672332155552938, None, 1),  # every candidate (one: [1, 0], cov 1.0078)
+    (dict(), 0, -0.672332155552938, None, 1),  # the defaults: max(1, int(2e-4 * 13)) = 1 token, the same one
+    (dict(cov_ratio=1.0, cov_low=0.1), None, -0.3683118631915567, None, 4),  # 4 candidates, all
     (dict(cov_ratio=0.1, cov_low=0.1), 0, -0.42059154669750953,  # 1 of the 4, torch.manual_seed(0): [0, 2]
      [[-0.154924948, -0.1429290225, 0, 0, -0.1163961744], [0.1071455998, 0.1100374919, 0.1167615179, 0, 0],
-      [-0.0676021828, -0.0821319159, -0.0772933674, -0.0824893145, 0], [0] * 5]),
+      [-0.0676021828, -0.0821319159, -0.0772933674, -0.0824893145, 0], [0] * 5], 1),
 ])
-def test_clip_cov_against_verl(kw, seed, value, grad):
+def test_clip_cov_against_verl(kw, seed, value, grad, drawn):
     """verl 0.9.1 compute_policy_loss_clip_cov (clip_ratio 0.2, token-mean; torch.manual_seed(0) right before
     the call where it draws) on peer_inputs with A = 2, -1.5, 1, -2.5."""
     x = peer_inputs()
@@ -588,6 +595,11 @@ def test_clip_cov_against_verl(kw, seed, value, grad):
     loss, g, _ = objective(x, surrogate="clip_cov", **kw)
     assert loss == pytest.approx(value, abs=1e-12)
     assert grad is None or near(g, grad)
+    if seed is not None:
+        torch.manual_seed(seed)
+    _, diag, _ = grpo.token_objective(x["logp"], x["entropy"], x, grpo.Args(num_iterations=2, surrogate="clip_cov",
+                                                                             **kw))
+    assert token_mean(diag, x["mask"], "loss/cov_frac") == drawn / 13  # verl's pg_clipfrac: the tokens held back
 
 
 @pytest.mark.parametrize("kw, value, grad", [
@@ -606,6 +618,8 @@ def test_kl_cov_against_verl(kw, value, grad):
     x["adv"] = torch.tensor([[2.0], [-1.5], [1.0], [-2.5]], dtype=torch.float64)
     loss, g, _ = objective(x, surrogate="kl_cov", **kw)
     assert loss == pytest.approx(value, abs=1e-12) and near(g, grad)
+    _, diag, _ = grpo.token_objective(x["logp"], x["entropy"], x, grpo.Args(num_iterations=2, surrogate="kl_cov", **kw))
+    assert token_mean(diag, x["mask"], "loss/cov_frac") == int(max(1, kw.get("cov_ratio", 0) * 13)) / 13  # 1, or 3
 
 
 def test_gmpo_by_hand():
@@ -629,14 +643,55 @@ def test_gmpo_by_hand():
 
 def test_gmpo_leaves_tokens_the_entropy_quantile_drops_out_of_its_mean():
     """With a per-token advantage that is 0 on a token (--top-entropy-quantile dropped it), GMPO's geometric mean is
-    over the kept tokens, as TRL's GMPOTrainer does with its entropy mask: A = 1, log r = [0.5, 0.1], token 1
-    dropped -> -e^clip(0.5) = -e^0.4 at token 0, and no gradient (it is clipped); the dropped token adds 0."""
+    over the kept tokens, and the row's loss is -A_i times it, whatever share of its tokens is kept (GMPO's objective
+    is one term a sequence; TRL's GMPOTrainer with its entropy mask): A = 1, log r = [0.5, 0.1], token 1 dropped ->
+    -e^clip(0.5) = -e^0.4 for the row (not half of it), with no gradient (token 0 is clipped)."""
     logp = torch.full((1, 2), -1.0, requires_grad=True)
     a = grpo.Args(surrogate="gmpo", eps_low=0.4, eps_high=0.4)
     loss, _, _ = grpo.policy_loss(logp, logp.detach() - torch.tensor([[0.5, 0.1]]), torch.tensor([[1.0, 0.0]]),
                                   torch.ones(1, 2), a)
-    assert loss[0].tolist() == pytest.approx([-math.exp(0.4), 0.0])
-    assert not torch.autograd.grad(loss.sum(), logp)[0].any()
+    total = grpo.aggregate_loss(loss, torch.ones(1, 2), "seq-mean-token-mean", 2)[0]
+    assert loss.shape == (1, 1) and total.item() == pytest.approx(-math.exp(0.4))
+    assert not torch.autograd.grad(total, logp)[0].any()
+
+
+def quantile_kept(x, rho):  # the step's top-rho tokens of peer_inputs by entropy (one group of 4, every A_i != 0)
+    return step(grpo.Args(num_generations=4, top_entropy_quantile=rho), [1.0, 0.0, 1.0, 0.0], x["mask"],
+                old_entropy=x["entropy"])[3]
+
+
+@pytest.mark.parametrize("rho, eps, value, grad", [
+    (0.4, 0.4, 0.019132275653694242, [[0, 0, -0.2819602677, 0, 0], [0.1625041597, 0, 0, 0, 0],
+                                      [0, -0.0668772172, 0, -0.0668772172, 0], [0.2723428182, 0, 0, 0, 0]]),
+    (0.5, 0.2, 0.0912920876353647, [[0, 0, -0.1264883771, 0, -0.1264883771], [0.1625041597, 0, 0, 0, 0],
+                                    [-0.0417531167, -0.0417531167, 0, -0.0417531167, 0], [0] * 5]),
+])
+def test_gmpo_with_the_entropy_quantile_against_trl(rho, eps, value, grad):
+    """TRL 1.16.0 GMPOTrainer._compute_loss (top_entropy_quantile rho, epsilon eps; one micro-batch holding the step)
+    on peer_inputs: the geometric mean over the kept tokens, each row -A_i times it, a mean over rows: --loss-agg
+    seq-mean-token-mean. (Each row scaled by kept / |o_i|, as grpo.py had it, the first gave 0.2032.)"""
+    x = peer_inputs()
+    x["adv"] = x["adv"] * quantile_kept(x, rho)
+    loss, g, _ = objective(x, "seq-mean-token-mean", surrogate="gmpo", eps_low=eps, eps_high=eps)
+    assert loss == pytest.approx(value, abs=1e-12) and near(g, grad)
+
+
+def test_the_entropy_bonus_acts_on_the_tokens_the_entropy_quantile_keeps_against_trl():
+    """TRL 1.16.0 GRPOTrainer._compute_loss (loss_type "dapo", entropy_coef 0.01, top_entropy_quantile 0.4) on
+    peer_inputs: the bonus acts on the 5 kept tokens only (the 80/20 paper trains those alone). TRL takes the mean H
+    over them (its gradient -0.01 / 5 a kept token); grpo.py aggregates the bonus as the loss (-0.01 / 13 under
+    token-mean), so the value differs by that normaliser; the policy loss's gradient is TRL's."""
+    x = peer_inputs()
+    keep = quantile_kept(x, 0.4)
+    x.update(adv=x["adv"] * keep, keep=keep)
+    loss, g_logp, g_H = objective(x, entropy_coef=0.01)
+    assert keep.sum() == 5 and torch.equal(g_H != 0, keep)
+    trl_g_H = -0.002 * keep.double()  # TRL's, on these 5 tokens
+    assert torch.allclose(g_H, trl_g_H * 5 / 13, rtol=0, atol=1e-15)
+    assert near(g_logp, [[0, 0, -0.0867570054, 0, 0], [0.0500012799, 0, 0, 0, 0],
+                         [0, -0.0410659579, 0, -0.0412446573, 0], [0] * 5])
+    H_kept = x["entropy"][keep].sum().item()
+    assert loss == pytest.approx(-0.048049690300903704 + 0.01 * H_kept / 5 - 0.01 * H_kept / 13, abs=1e-12)
 
 
 def test_gmpo_against_verl_and_trl():
@@ -720,11 +775,15 @@ def test_tis_modes_at_their_bounds_by_hand(mode, w):
     not. The gradient is the weight times the clip loss's (-A)."""
     x = tis_inputs()
     logp = torch.zeros(5, 3, dtype=torch.float64, requires_grad=True)
-    loss, _, _ = grpo.token_objective(logp, torch.zeros(5, 3), x, grpo.Args(tis=2.0, tis_mode=mode, tis_min=0.5))
+    loss, diag, _ = grpo.token_objective(logp, torch.zeros(5, 3), x, grpo.Args(tis=2.0, tis_mode=mode, tis_min=0.5))
     g, = torch.autograd.grad((loss * x["mask"]).sum(), logp)
     assert (-loss * x["mask"]).tolist() == w and (-g).tolist() == w
-    loss, _, _ = grpo.token_objective(logp, torch.zeros(5, 3), x, grpo.Args(tis=4.0, tis_mode=mode, tis_min=1.5))
-    assert (-loss[3]).tolist() == [1, 1, 1]  # the teacher row
+    # loss/tis_frac: the tokens whose w left [0.5, 2], masked or clamped: 4 and 0.25 per token, rows 0 and 1's
+    # products 8 and 1/8 (3 tokens each) a sequence; of 13 (the teacher row counts, its w never changes)
+    assert token_mean(diag, x["mask"], "loss/tis_frac") == (2 if mode.startswith("token") else 6) / 13
+    loss, diag, _ = grpo.token_objective(logp, torch.zeros(5, 3), x, grpo.Args(tis=4.0, tis_mode=mode, tis_min=1.5))
+    assert (-loss[3]).tolist() == [1, 1, 1]  # the teacher row, never counted in loss/tis_frac:
+    assert token_mean(diag, x["mask"], "loss/tis_frac") == 7 / 13  # 1 + 3 + 2 + 1 per token; 3 + 3 + 1 a sequence
     assert -loss[2, 1].item() == {"token_truncate": 1.5, "token_mask": 0}.get(mode, 2)  # w = 1 floored or dropped
     if mode == "token_mask":  # no floor: only the cap
         loss, _, _ = grpo.token_objective(logp, torch.zeros(5, 3), x, grpo.Args(tis=2.0, tis_mode=mode))
@@ -794,14 +853,14 @@ def test_rloo_by_hand_and_against_verl():
     """RLOO (2402.14740): A_i = R_i - the mean of the group's other G - 1 rewards; verl 0.9.1
     compute_rloo_outcome_advantage on VERL_SCORES. Equal rewards: A = 0, so the skip stays."""
     a = grpo.Args(num_generations=4, adv_estimator="rloo")
-    _, row_adv, _, flat, *_ = step(a, VERL_SCORES)
+    _, row_adv, _, _, flat, *_ = step(a, VERL_SCORES)
     s = VERL_SCORES
     loo = [s[i] - statistics.mean(s[j] for j in range(4 * (i // 4), 4 * (i // 4) + 4) if j != i) for i in range(8)]
     assert row_adv.tolist() == pytest.approx(loo)
     verl = [0.6666666865348816, -0.6666666865348816, -0.6666666865348816, 0.6666666865348816, 0.0, 0.0,
             0.6666666865348816, -0.6666666865348816]
     assert row_adv.tolist() == pytest.approx(verl, abs=1e-7) and not flat.any()
-    _, row_adv, _, flat, *_ = step(a, [1.0, 1, 1, 1, 1, 0, 0, 0])
+    _, row_adv, _, _, flat, *_ = step(a, [1.0, 1, 1, 1, 1, 0, 0, 0])
     assert flat.tolist() == [True] * 4 + [False] * 4 and not row_adv[:4].any()
 
 
@@ -810,7 +869,7 @@ def test_reinforce_plus_plus_baseline_by_hand_and_against_verl():
     (a completion counts |o_i| times; unbiased over the token count; 1e-8 in the rsqrt). An equal-reward group
     gets A != 0: it is not flagged flat, so it is trained."""
     a = grpo.Args(num_generations=4, adv_estimator="reinforce_plus_plus_baseline")
-    _, row_adv, _, flat, *_ = step(a, VERL_SCORES, lengths_mask(VERL_LENGTHS))
+    _, row_adv, _, _, flat, *_ = step(a, VERL_SCORES, lengths_mask(VERL_LENGTHS))
     centred = [r - statistics.mean(VERL_SCORES[4 * (i // 4):4 * (i // 4) + 4]) for i, r in enumerate(VERL_SCORES)]
     tokens = [c for c, n in zip(centred, VERL_LENGTHS) for _ in range(n)]
     mu, var = statistics.mean(tokens), statistics.variance(tokens)
@@ -818,7 +877,7 @@ def test_reinforce_plus_plus_baseline_by_hand_and_against_verl():
     verl = [0.8695778250694275, -1.422945499420166, -1.422945499420166, 0.8695778250694275, -0.27668383717536926,
             -0.27668383717536926, 0.8695778250694275, -1.422945499420166]
     assert row_adv.tolist() == pytest.approx(verl, abs=1e-6)
-    _, row_adv, _, flat, *_ = step(a, [1.0, 1, 1, 1, 1, 0, 0, 0], lengths_mask(VERL_LENGTHS))
+    _, row_adv, _, _, flat, *_ = step(a, [1.0, 1, 1, 1, 1, 0, 0, 0], lengths_mask(VERL_LENGTHS))
     assert not flat.any() and (row_adv[:4] < 0).all()  # equal rewards, shifted by the token-weighted mean
 
 
@@ -830,7 +889,7 @@ def test_gdpo_by_hand_and_against_trl():
     r2 = torch.tensor([1.0, 1, 0, 0, 0, 1, 1, 0, 0.2, 0.4, 0.6, 0.8]).double().tolist()  # (float32 values)
     a = grpo.Args(num_generations=4, adv_estimator="gdpo", rewards="correct,format:0.5", std_eps=1e-4)
     per_fn = torch.tensor([r1, r2], dtype=torch.float64).T
-    _, row_adv, _, flat, *_ = step(a, (per_fn * torch.tensor([1, 0.5])).sum(1), per_fn=per_fn)
+    _, row_adv, _, _, flat, *_ = step(a, (per_fn * torch.tensor([1, 0.5])).sum(1), per_fn=per_fn)
     def z(r, i):  # r_i normalised in its group
         g = r[4 * (i // 4):4 * (i // 4) + 4]
         return (r[i] - statistics.mean(g)) / (statistics.stdev(g) + 1e-4)
@@ -844,8 +903,22 @@ def test_gdpo_by_hand_and_against_trl():
     assert torch.equal(same, row_adv)  # each reward's z-score whatever --scale (TRL's, the paper's)
     per_fn = torch.tensor([[1.0, 0], [0, 2], [1, 1], [1, 1]])  # totals 1, 1 | 1.5, 1.5 (weights 1, 0.5)
     a = replace(a, num_generations=2)
-    _, row_adv, _, flat, *_ = step(a, (per_fn * torch.tensor([1, 0.5])).sum(1), per_fn=per_fn)
+    _, row_adv, _, _, flat, *_ = step(a, (per_fn * torch.tensor([1, 0.5])).sum(1), per_fn=per_fn)
     assert not flat.any() and row_adv[0] != row_adv[1]
+
+
+def test_gdpo_weighs_each_reward_as_build_rewards_reads_rewards():
+    """--rewards is parsed once (parse_rewards): spaces and a weight left out mean what build_rewards takes them to
+    mean (1), in the step's GDPO sum too (it was a ValueError inside the first update)."""
+    per_fn = torch.tensor([[1.0, 0, 0, 1, 1, 0], [1, 1, 0, 0, 0.5, 0]]).T.double()
+    a = grpo.Args(num_generations=3, adv_estimator="gdpo", rewards="correct,format:0.5")
+    want = step(a, per_fn @ torch.tensor([1, 0.5]).double(), per_fn=per_fn)[1]
+    spaced = replace(a, rewards=" correct: , format : 0.5 ")
+    assert [(n, w) for n, _, w in grpo.build_rewards(spaced)] == [("correct", 1.0), ("format", 0.5)]
+    assert torch.equal(step(spaced, per_fn @ torch.tensor([1, 0.5]).double(), per_fn=per_fn)[1], want)
+    quarter = replace(a, rewards="correct,format:0.25")
+    other = step(quarter, per_fn @ torch.tensor([1, 0.25]).double(), per_fn=per_fn)[1]
+    assert not torch.allclose(other, want)  # the weight reaches the sum
 
 
 def test_kl_in_reward_by_hand_and_against_verl():
@@ -856,13 +929,13 @@ def test_kl_in_reward_by_hand_and_against_verl():
     old = torch.tensor([[-1.0, -1.0, 9.0], [-1.0, -2.0, 9.0]])  # the pad (9.0) counts nowhere
     ref = torch.tensor([[-1.1, -1.1, 0.0], [-1.0, -2.0, 0.0]])
     mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
-    _, row_adv, _, flat, stats, _ = step(a, [1.0, 1.0], mask, old_logp=old.double(), ref_logp=ref.double())
+    _, row_adv, _, _, flat, stats, _ = step(a, [1.0, 1.0], mask, old_logp=old.double(), ref_logp=ref.double())
     # KL sums 0.2 and 0: R = 0.9, 1.0, mean 0.95
     assert row_adv.tolist() == pytest.approx([-0.05, 0.05]) and not flat.any()
     assert stats["kl/in_reward"] == pytest.approx(0.1)
     x = peer_inputs()
     a = grpo.Args(num_generations=2, kl_in_reward=0.05)
-    _, row_adv, _, _, stats, _ = step(a, [1.0, 0.0, 1.0, 0.0], x["mask"], old_logp=x["old_logp"],
+    _, row_adv, _, _, _, stats, _ = step(a, [1.0, 0.0, 1.0, 0.0], x["mask"], old_logp=x["old_logp"],
                                       ref_logp=x["ref_logp"])
     R = torch.tensor([0.983939164876938, 0.031090469658374784, 0.9837202616035938, -0.020690086483955386])
     assert stats["kl/in_reward"] == pytest.approx(((torch.tensor([1.0, 0, 1, 0]) - R) / 0.05).mean().item())
@@ -1363,8 +1436,8 @@ def test_presets_are_the_papers_and_explicit_flags_win(algo):
     (["--teacher-per-group", "2"], "--teacher-pool"),
     (["--num-generations", "1"], "--num-generations"),
     (["--top-k-groups", "9"], "--top-k-groups"),
-    (["--dual-clip", "3", "--surrogate", "cispo"], "--dual-clip caps the clip surrogate: add --surrogate clip"),
     (["--adv-estimator", "gdpo", "--kl-in-reward", "0.1"], "gdpo normalises each reward function apart"),
+    (["--adv-estimator", "gdpo", "--teacher-pool", "p.jsonl", "--teacher-per-group", "2"], "the pool's rewards"),
     (["--surrogate", "gmpo", "--ratio", "sequence"], "--surrogate gmpo and vespo take token ratios"),
     (["--output-dir", ""], "--output-dir must name a directory"),
     (["--eval-prompts", "5000"], "--eval-prompts: the built-in task has 2900"),
@@ -1377,6 +1450,52 @@ def test_impossible_flags_fail_with_a_sentence(argv, says):
         grpo.parse_args(argv)
     with pytest.raises(SystemExit, match="--resume continues the run, --overwrite deletes it: give one"):
         grpo.check_args(replace(grpo.parse_args([]), resume=True, overwrite=True))
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--tis-mode", "token_mask"], "--tis-mode does nothing without --tis: add it, or drop --tis-mode"),
+    (["--tis-min", "0.5"], "--tis-min does nothing without --tis:"),
+    (["--sapo-tau-pos", "2"], "--sapo-tau-pos does nothing without --surrogate sapo:"),
+    (["--sapo-tau-neg", "2", "--surrogate", "cispo"], "--sapo-tau-neg does nothing without --surrogate sapo:"),
+    (["--cov-ratio", "0.1"], "--cov-ratio does nothing without --surrogate clip_cov or --surrogate kl_cov:"),
+    (["--cov-low", "0", "--surrogate", "kl_cov"], "--cov-low does nothing without --surrogate clip_cov:"),
+    (["--cov-high", "9", "--surrogate", "kl_cov"], "--cov-high does nothing without --surrogate clip_cov:"),
+    (["--cov-kl-coef", "1", "--surrogate", "clip_cov"], "--cov-kl-coef does nothing without --surrogate kl_cov:"),
+    (["--dual-clip", "3", "--surrogate", "cispo"], "--dual-clip does nothing without --surrogate clip: add it, or "
+                                                   "drop --dual-clip"),
+    (["--scale", "none", "--adv-estimator", "rloo"], "--scale does nothing without --adv-estimator grpo:"),
+    (["--algo", "drgrpo", "--scale", "std", "--adv-estimator", "gdpo"], "--scale does nothing without"),
+    (["--algo", "drgrpo", "--kl", "k2"], "--kl does nothing without --beta: add it, or drop --kl"),
+    (["--overlong-buffer", "8"], "--overlong-buffer does nothing without --overlong-penalty:"),
+    (["--max-gen-rounds", "2"], "--max-gen-rounds does nothing without --dynamic-sampling:"),
+    (["--surrogate", "clip_cov", "--cov-low", "5", "--cov-high", "1"], "--cov-low must be below --cov-high"),
+    (["--surrogate", "clip_cov", "--cov-low", "2", "--cov-high", "2"], "--cov-low must be below --cov-high"),
+    (["--algo", "dapo", "--adv-estimator", "gdpo"], "the overlong penalty has no parts: add --no-overlong-penalty"),
+])
+def test_a_flag_typed_where_it_does_nothing_is_refused_naming_what_to_add(argv, says):
+    """A flag the user typed where it acts on nothing (NEEDS) is refused in one line naming what it needs; a clip_cov
+    range that holds nothing, and a preset's overlong penalty that gdpo cannot split, name what to change."""
+    with pytest.raises(SystemExit, match=says):
+        grpo.parse_args(argv)
+
+
+def test_only_what_was_typed_is_refused_not_a_preset_s_or_a_saved_run_s_value(tmp_path):
+    """A preset's value is not the user's: drgrpo's scale with rloo, grpo's beta under --kl, dapo's dynamic sampling
+    under --max-gen-rounds stay valid; so do the variants' flags with what they act with. On --resume the saved
+    run's flags are its defaults: a run saved with --scale beside rloo continues, --scale typed again is refused."""
+    for argv in (["--algo", "drgrpo", "--adv-estimator", "rloo"], ["--kl", "k2"], ["--algo", "dapo", "--max-gen-rounds",
+                 "2"], ["--algo", "dapo", "--adv-estimator", "gdpo", "--no-overlong-penalty"],
+                 ["--surrogate", "sapo", "--sapo-tau-pos", "2"], ["--tis", "2", "--tis-mode", "token_mask", "--tis-min",
+                 "0.5"], ["--surrogate", "kl_cov", "--cov-ratio", "0.1", "--cov-kl-coef", "1"],
+                 ["--surrogate", "clip_cov", "--cov-low", "0", "--cov-high", "9", "--cov-ratio", "1"]):
+        grpo.parse_args(argv)
+    (tmp_path / "checkpoint").mkdir()
+    saved = {**vars(grpo.Args()), "adv_estimator": "rloo", "scale": "none", "output_dir": str(tmp_path)}
+    (tmp_path / "checkpoint" / "grpo_args.json").write_text(json.dumps(saved))
+    a = grpo.parse_args(["--output-dir", str(tmp_path), "--resume", "--max-steps", "9"])
+    assert (a.adv_estimator, a.scale, a.max_steps) == ("rloo", "none", 9)
+    with pytest.raises(SystemExit, match="--scale does nothing without --adv-estimator grpo"):
+        grpo.parse_args(["--output-dir", str(tmp_path), "--resume", "--scale", "none"])
 
 
 @pytest.mark.parametrize("flag, value, says", [
@@ -1396,7 +1515,9 @@ def test_impossible_flags_fail_with_a_sentence(argv, says):
     ("--eps-low", "1", r"--eps-low must be in \[0, 1\)"), ("--warmup-steps", "-1", "--warmup-steps must be"),
     ("--micro-batch-size", "-1", r"--micro-batch-size must be in \(0, inf\), not -1"),
     ("--dual-clip", "1", r"--dual-clip must be in \(1, inf\), not 1.0"),
-    ("--cov-ratio", "5", r"--cov-ratio must be in \[0, 1\], not 5.0"),
+    ("--cov-ratio", "5", r"--cov-ratio must be in \(0, 1\], not 5.0"),
+    ("--cov-ratio", "0", r"--cov-ratio must be in \(0, 1\], not 0.0"),  # verl refuses 0 too (it selects >= 1 token)
+    ("--tis", "0.5", r"--tis must be in \[1, inf\), not 0.5"), ("--tis-min", "1", r"--tis-min must be in \[0, 1\)"),
 ])
 def test_out_of_range_flags_fail_with_their_name(flag, value, says):
     extra = ["--teacher-pool", "p.jsonl", "--teacher-per-group", "2"] if flag == "--num-generations" else []
@@ -1440,6 +1561,33 @@ def test_dry_run_prints_the_objective_then_the_flags(capsys):
     assert "ℓ_i,t = (-min(r·A_i, clip(r, 1-0.2, 1+0.2)·A_i))·token_truncate(π_old/π_sampler, [0, 2])," in out
     assert "·  std_g / (max_g' std_g' + 1e-06)" in out and "groups trained: all, then the top-4 by std" in out
     assert "first EOS, 0 on a truncated completion" in out
+    for estimator in ("reinforce_plus_plus_baseline", "gdpo"):  # whitened: an equal-reward group's A is not 0
+        grpo.main(["--algo", "drgrpo", "--dry-run", "--adv-estimator", estimator])
+        out = capsys.readouterr().out
+        assert "(no A is 0)" in out and "those of equal rewards trained: their A is not 0\n" in out
+    grpo.main(["--algo", "drgrpo", "--dry-run", "--kl-in-reward", "0.1"])  # equal rewards less unequal KLs
+    assert "those of equal rewards trained: their A is not 0\n" in capsys.readouterr().out
+    grpo.main(["--algo", "drgrpo", "--dry-run", "--teacher-pool", "p.jsonl", "--teacher-per-group", "2",
+               "--split-grads"])
+    out = capsys.readouterr().out
+    assert "first EOS; ∇ = g_s + g_t, the student's and the teacher's rows backpropagated apart\n" in out
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(beta=0.04), dict(adv_estimator="rloo"), dict(kl_in_reward=0.1),
+                                dict(adv_estimator="reinforce_plus_plus_baseline"), dict(adv_estimator="gdpo")])
+def test_dry_run_says_what_the_step_does_with_an_equal_reward_group(kw):
+    """--dry-run's words on equal-reward groups come from the step's own decision: prepare skips the rows step_terms
+    flags flat where probe finds no gradient at A = 0; a group of equal rewards (real step inputs) is flagged flat,
+    and skipped, exactly where the words say so."""
+    a = grpo.Args(num_generations=2, **kw)
+    x = peer_inputs()
+    _, row_adv, _, _, flat, *_ = step(a, [1.0, 1.0, 0.0, 1.0], x["mask"], old_logp=x["old_logp"],
+                                      ref_logp=x["ref_logp"], per_fn=torch.tensor([[1.0, 0], [0, 2], [0, 0], [1, 0]]))
+    _, skip, words = grpo.probe(a)
+    said = grpo.describe(a).split("those of equal rewards ")[1].split("\n")[0]
+    assert said == words["equal"] and bool(flat[0]) == (row_adv[:2] == 0).all()  # flat: A = 0 there
+    assert said == {(True, True): "(A = 0) skipped: ∇ℓ = 0 there", (True, False): "(A = 0) trained"}.get(
+        (bool(flat[0]), skip), "trained: their A is not 0")
 
 
 def test_dry_run_reads_no_model_and_runs_no_reward(tmp_path, capsys):
@@ -1452,7 +1600,7 @@ def test_dry_run_reads_no_model_and_runs_no_reward(tmp_path, capsys):
 
 # run-keeping, data, the model's parametrisation and the optimizer: flags that leave the objective as it is
 NOT_THE_OBJECTIVE = {"algo", "model", "output_dir", "resume", "overwrite", "max_steps", "seed", "dry_run",
-                     "teacher_pool", "split_grads",  # a file's path; the same gradient, summed in two halves
+                     "teacher_pool",  # a file's path
                      "save_every", "wandb_project", "log_samples", "dataset", "eval_dataset", "max_samples",
                      "eval_every", "eval_prompts", "eval_samples", "system_prompt", "compile_generate",
                      "skip_zero_variance", "lora_r", "lora_alpha", "lora_dropout", "load_in_4bit", "dtype",
@@ -2227,17 +2375,22 @@ def test_skipping_the_reset_between_passes_double_counts_g_s(loaded):
     assert not all(torch.allclose(n, f, atol=1e-7) for n, f in zip(naive, full))
 
 
-def test_teacher_rewards_come_from_the_pool_and_share_the_group_advantage(loaded, tmp_path):
+@pytest.mark.parametrize("estimator, scale", [("grpo", "none"), ("grpo", "std"), ("rloo", "none"),
+                                              ("reinforce_plus_plus_baseline", "none")])
+def test_teacher_rewards_come_from_the_pool_and_share_the_group_advantage(loaded, tmp_path, estimator, scale):
     """Teacher rows: the pool's reward as it is (the overlong penalty shapes only the sampled rows' rewards), their
-    tokens the text + EOS, never truncated; one group-relative advantage over G_s + G_t."""
+    tokens the text + EOS, never truncated; one group-relative advantage over G_s + G_t = 4 rows, by hand for each
+    estimator (gdpo refuses the pool): R - mean, / std, RLOO's leave-one-out mean of the other 3 (G / (G - 1) with
+    G = 4, not G_s = 2), REINFORCE++'s whitening over both groups' tokens (a teacher row's |o_i| counts too)."""
     a, model, tok = loaded
     data = grpo.arithmetic_task(100, 0)
     pool = write(tmp_path / "pool.jsonl", [json.dumps({"prompt": ex["prompt"], "completion": c, "reward": r})
                                            for ex in data for c, r in (("<think>t</think><answer>1</answer>", 1.0),
                                                                         ("I give up", 0.25))])
-    a = replace(a, prompts_per_step=2, num_generations=2, teacher_per_group=2, teacher_pool=pool, scale="none",
-                max_new_tokens=40, overlong_penalty=True, overlong_buffer=30)  # penalty from 11 tokens on
+    a = replace(a, prompts_per_step=2, num_generations=2, teacher_per_group=2, teacher_pool=pool, scale=scale,
+                max_new_tokens=40, overlong_penalty=True, overlong_buffer=30, adv_estimator=estimator)  # from 11 tokens
     groups, _ = rollout(a, model, tok, stub_reward(lambda i: float(i % 2) * 0.5), grpo.load_teacher_pool(a, data, tok))
+    centred, lengths = [], []
     for g in groups:
         assert g["is_teacher"] == [False, False, True, True]
         assert sorted(g["rewards"][2:].tolist()) == [0.25, 1.0]  # frozen, from the pool, not rescored
@@ -2245,10 +2398,21 @@ def test_teacher_rewards_come_from_the_pool_and_share_the_group_advantage(loaded
         penalty = [-max(0, len(c) - 10) / 30 for c in g["completions"][:2]]  # DAPO's, by hand
         assert r[:2] == pytest.approx([0.0 + penalty[0], 0.5 + penalty[1]])
         mean = sum(r) / 4  # one group-relative advantage over G_s + G_t
-        assert g["adv"].tolist() == pytest.approx([x - mean for x in r])
+        want = {"none": [x - mean for x in r], "std": [(x - mean) / (statistics.stdev(r) + 1e-6) for x in r]}[scale]
+        if estimator == "rloo":
+            want = [x - sum(r[j] for j in range(4) if j != i) / 3 for i, x in enumerate(r)]
+        if estimator != "reinforce_plus_plus_baseline":
+            assert g["adv"].tolist() == pytest.approx(want)
+        centred += [x - mean for x in r]
+        lengths += [len(c) for c in g["completions"]]
         text = dict((t, c) for t, c in zip(g["texts"], g["completions"]))["I give up"]
         assert text.tolist() == tok("I give up", add_special_tokens=False).input_ids + [tok.eos_token_id]
         assert g["truncated"][2:] == [False, False]
+    if estimator == "reinforce_plus_plus_baseline":  # whitened over the step's tokens, each row |o_i| times
+        tokens = [c for c, n in zip(centred, lengths) for _ in range(n)]
+        mu, var = statistics.mean(tokens), statistics.variance(tokens)
+        assert sum((g["adv"].tolist() for g in groups), []) == pytest.approx([(c - mu) / math.sqrt(var + 1e-8)
+                                                                              for c in centred])
 
 
 def test_a_step_that_trains_nothing_logs_no_entropy(loaded):
@@ -2573,6 +2737,26 @@ def test_tis_weights_each_token_by_the_truncated_ratio(loaded):
         assert_same_update(u, {n: factor * v for n, v in base.items()})
 
 
+
+
+def test_opsm_at_delta_0_drops_rows_on_rounding_noise_alone_and_its_metric_shows_it(loaded):
+    """On-policy, the sampler's log-probs differ from the trainer's by rounding only (sampler/logp_gap ~ 1e-7), yet
+    --opsm-delta 0 drops every completion with A < 0 whose mean drift is above 0: loss/opsm_frac is that share of
+    the step's tokens, counted here by hand from the trainer's log-probs of the same rows."""
+    a, model, tok = loaded
+    a = replace(a, opsm_delta=0.0, micro_batch_size=16)
+    groups, _ = rollout(a, model, tok, stub_reward(lambda i: float(i % 3 == 0)))  # A != 0 in every group
+    b = grpo.collate(groups, tok.pad_token_id, "cpu")
+    with torch.no_grad():
+        logp, _ = grpo.token_logps(model, b["input_ids"], b["attention_mask"], b["mask"].shape[1])
+    drift = (torch.where(b["mask"] > 0, b["sampler_logp"] - logp, 0).sum(-1) / b["mask"].sum(-1)).tolist()
+    adv = sum((g["adv"].tolist() for g in groups), [])
+    lengths = b["mask"].sum(-1).tolist()
+    dropped = sum(n for n, d, A in zip(lengths, drift, adv) if A < 0 and d > 0)
+    m = grpo.train_step(copy.deepcopy(model), None, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0),
+                        groups, a)
+    assert 0 < m["sampler/logp_gap"] < 1e-5 and m["train/rows"] == len(adv) == 8
+    assert 0 < dropped and m["loss/opsm_frac"] == pytest.approx(dropped / sum(lengths), rel=1e-6)
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=0.7), dict(temperature=0.7, top_k=5, top_p=0.5)],
@@ -3509,7 +3693,8 @@ SCHEDULES = {  # rewards by place in the data order: 4 prompts a round, slots 0 
     "overshoot": [EQ, [0, 1], EQ, [0, 3], [0, 2], [0, 5], [0, 4], [0, 6]]}  # 2 kept, then 4 more: cut to B
 a = grpo.parse_args(["--model", model_dir, "--dataset", data, "--prompts-per-step", "4", "--num-generations", "2",
                      "--max-new-tokens", "4", "--dynamic-sampling", "--max-gen-rounds", "3", "--top-k-groups", "3",
-                     "--soft-reweight", "--scale", "none"])
+                     "--soft-reweight", "--scale", "none", "--opsm-delta", "0.5", "--tis", "2", "--tis-mode",
+                     "token_mask", "--top-entropy-quantile", "0.5"])  # the filters count what they drop
 torch.manual_seed(0)
 model, tok, _ = grpo.load_model(a, device)
 train, _ = grpo.load_data(a)
@@ -3585,11 +3770,12 @@ def test_two_processes_filter_as_one_and_refuse_what_they_cannot_run(tiny_dir, t
     assert same(two["exact"], one["exact"]), (two["exact"], one["exact"])
     assert same(two["overshoot"], one["overshoot"]), (two["overshoot"], one["overshoot"])  # the cut to B
     # completions set by each prompt (a sampler stub): every metric of the step and the evaluation is one process's
-    assert two["metrics"] == pytest.approx(one["metrics"], rel=1e-5) and len(one["metrics"]) == 25, one["metrics"]
+    assert two["metrics"] == pytest.approx(one["metrics"], rel=1e-5) and len(one["metrics"]) == 28, one["metrics"]
     assert two["eval"] == pytest.approx(one["eval"]) and one["eval"]["eval/accuracy"] == 0.3  # k % 3 == 1 of 0-9
     m = one["metrics"]
     assert 0 < m["groups/equal_frac"] < 1 and 0 < m["accuracy"] < 1 and 0 < m["completion/truncated_frac"] < 1
     assert m["sampler/logp_gap_max"] > 20 and m["train/rows"] == 6  # the largest gap: on rank 1
+    assert all(0 < m[f"loss/{k}_frac"] < 1 for k in ("opsm", "tis", "low_entropy")), m  # (rank 0's rows, 1's)
 
 
 def test_two_processes_mixed_pool_refill_sigterm_and_resume(tiny_dir, tmp_path):
