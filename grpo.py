@@ -286,7 +286,7 @@ def read_records(source: str, split: str) -> list[tuple[str, dict]]:
     """(where, record): a JSONL file's lines, else rows through `datasets`: a .parquet, .csv or .json file's,
     or those of NAME[:CONFIG][@SPLIT], a hub id or a local directory."""
     path, rest = split_path(source)
-    kind = {".parquet": "parquet", ".csv": "csv", ".json": "json"}.get(os.path.splitext(path)[1])
+    kind = {".parquet": "parquet", ".csv": "csv", ".json": "json"}.get(os.path.splitext(path)[1].lower())
     if not kind and not rest and (os.path.isfile(path) or path.endswith(".jsonl")):
         try:
             lines = pathlib.Path(source).read_bytes().splitlines()
@@ -309,15 +309,18 @@ def read_records(source: str, split: str) -> list[tuple[str, dict]]:
         split = named or split
         try:
             from datasets import get_dataset_config_names, load_dataset
-            if kind:  # a local file: its rows are the one split `datasets` makes of it
-                split = "train"
-                rows = load_dataset(kind, data_files=path, split=split)
+            if kind or os.path.isfile(path):  # a local file: its rows are the one split `datasets` makes
+                split = named or "train"
+                rows = load_dataset(kind or "json", data_files=path, split=split)
             else:
                 rows = load_dataset(path, config[1:] or get_dataset_config_names(path)[0], split=split)
+            if "float" in str(rows.features.get("answer")):  # numpy's numbers: a float32 column's in float32
+                rows = rows.with_format("numpy", columns=["answer"], output_all_columns=True)
         except ImportError as e:  # `datasets`, or a package it needs for this one
             fail(f"{source} is not a JSONL file: a dataset needs `pip install datasets` ({e})")
         except Exception as e:  # not found, offline, no such config or split: what `datasets` says, one line
-            fail(f"{path}{config}@{split}: {' '.join(str(e).split())}")
+            empty = "corresponds to no data" in str(e) or os.path.isfile(path) and not os.path.getsize(path)
+            fail(f"{source}: no examples" if empty else f"{path}{config}@{split}: {' '.join(str(e).split())}")
         rows = [(f"{path}{config}@{split}:{i}", rec) for i, rec in enumerate(rows, 1)]
     if not rows:
         fail(f"{source}: no examples")
@@ -329,18 +332,21 @@ def load_examples(source: str, split: str, graded: bool, reward_fns=()) -> list[
     for where, rec in read_records(source, split):
         prompt = rec.get("question", rec.get("prompt"))
         answer = rec.get("answer")
-        if isinstance(answer, float) and math.isfinite(answer):  # as written: 0.00005, not Python's 5e-05
-            answer = format(decimal.Decimal(repr(answer)), "f")
+        given = isinstance(answer, (str, numbers.Real, decimal.Decimal)) and not isinstance(answer, bool)
+        if given and not isinstance(answer, str):  # a number: finite, and as the shortest text that reads
+            given = decimal.Decimal(str(answer)).is_finite()  # back as it in its own precision (str() is
+            answer = format(decimal.Decimal(str(answer)), "f")  # that, numpy's too): 0.00005; float32's 0.1
         answer = reference_answer(str(answer))  # graded: it is read, so not empty, not '####'
-        bad = type(rec.get("answer")) not in (str, int, float) or graded and (not answer or "####" in answer)
+        bad = not given or graded and (not answer or "####" in answer)  # (nothing equals a NaN, JSON's 1e400)
         if not isinstance(prompt, str) or not prompt.strip() or bad:
             fail(f"{where}: each line needs a prompt (or GSM8K's question) and an answer (a string or a "
-                 f"number; GSM8K's: '... #### N'), neither empty")
+                 f"finite number; GSM8K's: '... #### N'), neither empty")
         out.append({**rec, "prompt": prompt, "answer": answer})
         fields = {k: v for k, v in out[-1].items() if k != "answer"}
         for name, fn, _ in reward_fns:  # bound as score() will call it: a field a reward needs is here
-            try:
-                inspect.signature(fn).bind(answer, answer, **fields, length=0)
+            kw = {k: 0 for k, p in inspect.signature(fn).parameters.items() if p.kind == p.KEYWORD_ONLY}
+            try:  # a keyword-only parameter is the reward's own (rewards.py): never a record's to set
+                inspect.signature(fn).bind(answer, answer, **fields, **{**kw, "length": 0})
             except TypeError as e:  # a keyword the reward requires and the record lacks, or the reverse
                 fail(f"{where}: reward {name!r} cannot take this record's fields: {e}")
     return out

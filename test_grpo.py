@@ -1551,9 +1551,9 @@ def test_a_path_holding_an_at_or_a_colon_is_made_absolute_and_checked_on_resume(
     (['{"prompt": "a", "answer": "1"}', '{"prompt": "x", "answer": null}'], "bad.jsonl:2: each line needs"),
     (['{"prompt": "x", "answer": " "}'], "bad.jsonl:1: each line needs a prompt .* neither empty"),
     (['{"question": "x", "answer": ""}'], "bad.jsonl:1: each line needs a prompt .or GSM8K's question."),
-    (['{"prompt": "a", "answer": "1"}', '{"prompt": "b", "answer": ["1", "2"]}'], "bad.jsonl:2: .* .a string or a number"),
-    (['{"prompt": "a", "answer": {"n": 1}}'], "bad.jsonl:1: each line needs .* an answer .a string or a number"),
-    (['{"prompt": "a", "answer": true}'], "bad.jsonl:1: each line needs .* an answer .a string or a number"),
+    (['{"prompt": "a", "answer": "1"}', '{"prompt": "b", "answer": ["1", "2"]}'], "bad.jsonl:2: .* .a string or a finite number"),
+    (['{"prompt": "a", "answer": {"n": 1}}'], "bad.jsonl:1: each line needs .* an answer .a string or a finite number"),
+    (['{"prompt": "a", "answer": true}'], "bad.jsonl:1: each line needs .* an answer .a string or a finite number"),
     (['{"question": "a", "answer": "2+2=4\\n####"}'], "bad.jsonl:1: each line needs .* GSM8K's: '... #### N'"),
     (['{"prompt": "a", "answer": "1"}', '{"prompt": "x\\ud800", "answer": "1"}'], "bad.jsonl:2: '\\\\ud800' is half a "
                                                                             "surrogate pair, not text"),
