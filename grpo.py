@@ -506,6 +506,22 @@ def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False
     comps = [c[m] for c, m in zip(comp, mask)]
     return prompts, comps, truncated.tolist(), [lp[m] for lp, m in zip(logp, mask)]
 
+def longest_prompt(model, tok, a: Args, train: list, evals: list, every: bool) -> int:
+    """The longest chat prompt's tokens, of all if every, else of those bytes leave in doubt (0 if none)."""
+    room = (getattr(model.config, "max_position_embeddings", None) or math.inf) - a.max_new_tokens
+    bound = len(chat_prompt(tok, "", a.system_prompt).encode()) + 3  # a token is a byte or more, but 3
+    longest = 0  # (BOS, EOS, a leading space mark): a prompt of fewer bytes than room - bound fits
+    for source, split, examples in ((a.dataset, "train", train), (a.eval_dataset, "test", evals)):
+        doubt = [i for i, ex in enumerate(examples) if every or len(ex["prompt"].encode()) + bound > room]
+        texts = [chat_prompt(tok, examples[i]["prompt"], a.system_prompt) for i in doubt]  # tok([]) fails:
+        for i, ids in zip(doubt, tok(texts or [""], add_special_tokens=not tok.chat_template).input_ids):
+            if len(ids) > room:  # refused now, not met hours in as an allocation error inside generate
+                where = read_records(source, split)[i][0] if source else "the built-in task"
+                fail(f"{where}: a prompt of {len(ids)} tokens, with --max-new-tokens {a.max_new_tokens}, is "
+                     f"over the model's context ({room + a.max_new_tokens}): shorten it, or lower T")
+            longest = max(longest, len(ids))
+    return longest
+
 def compile_sampler(model, a: Args, prompt_len: int, world: int = 1) -> dict | None:
     """--compile-generate: one shape for every call (prompts padded to the longest, rows to B / ranks x G,
     a static KV cache), so the decode step compiles once, reading the weights in place. None for two runs."""
@@ -580,6 +596,8 @@ def select_groups(rewards: torch.Tensor, a: Args) -> tuple[torch.Tensor, bool, s
     B were found, and --dry-run's words. Dynamic sampling (DAPO §3.2) keeps groups whose rewards differ, and
     rollout samples again until B are kept or max_gen_rounds; then the first B. FORKER: a filter before
     `enough` is refilled by sampling again; one after it leaves fewer groups to train."""
+    if not rewards.std(1).isfinite().all():  # float32's: std_g squares R - mean_g (A = 0), mean_g sums R
+        fail(f"rewards up to {rewards.abs().max():.3g} overflow float32 in their group's std: scale them")
     keep = torch.arange(len(rewards))
     words = "all"
     if a.dynamic_sampling:
@@ -664,7 +682,6 @@ def group_metrics(groups: list[dict]) -> dict:
         out[f"reward/mean_{source}"] = statistics.mean(r["reward"] for r in part)
         out[f"completion/mean_length_{source}"] = statistics.mean(r["length"] for r in part)
     return out
-
 
 def collate(groups: list[dict], pad_id: int, device) -> dict:
     """Groups -> padded tensors, a row a completion (N = 0 on a rank that kept no group)."""
@@ -1272,11 +1289,9 @@ def start(a: Args):
     torch.manual_seed(a.seed)  # the same LoRA init on every rank
     model, tok, ref_model = load_model(a, device, ckpt if a.resume else None)
     pool = load_teacher_pool(a, train, tok) if a.teacher_pool else None
-    sampler = None
-    if a.compile_generate == "on" or a.compile_generate == "auto" and device.type == "cuda":
-        texts = [chat_prompt(tok, ex["prompt"], a.system_prompt) for ex in train + evals]
-        longest = max(len(ids) for ids in tok(texts, add_special_tokens=not tok.chat_template).input_ids)
-        sampler = compile_sampler(model, a, longest, world)
+    compiled = a.compile_generate == "on" or a.compile_generate == "auto" and device.type == "cuda"
+    longest = longest_prompt(model, tok, a, train, evals, every=compiled)  # (a prompt past the context fails)
+    sampler = compile_sampler(model, a, longest, world) if compiled else None
     opt = make_optimizer(a, model)
     torch.manual_seed(a.seed + 1000 * rank)  # sampling and teacher draws differ per rank, and repeat per run
     random.seed(a.seed + 1000 * rank)
