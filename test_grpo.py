@@ -6,6 +6,7 @@ model in-process (gradients, log-probs, sampling); then whole runs of grpo.py, i
 and as a subprocess where a signal, torchrun or a fresh interpreter is what is tested."""
 import argparse
 import copy
+import decimal
 import itertools
 import json
 import math
@@ -1585,6 +1586,67 @@ def test_an_answer_given_as_a_json_number_is_graded_as_written(tmp_path):
     assert R.is_correct("\\boxed{10,000,000,000,000,000}", examples[1]["answer"])
 
 
+def test_a_number_answer_is_the_shortest_text_that_reads_back_in_its_own_precision(tmp_path, monkeypatch, loaded):
+    """A float32 column (pandas, pyarrow) holds 0.1 as 0.100000001490116...: read as float64 it would be the
+    reference '0.10000000149011612', which no completion writes. Its answer is float32's shortest text, '0.1', as
+    JSON's 0.1 is float64's; a float64 column keeps float64's. An integer cell (CSV, int32) is its digits, a decimal
+    column its digits at its scale; a bool is no answer. Graded through the real loading code, in training (the
+    reward) and in evaluation."""
+    pd = pytest.importorskip("pandas")
+    datasets = pytest.importorskip("datasets")
+    np, pa, pq = pytest.importorskip("numpy"), pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    written = ["0.00005", "0.1", "2.5", "10000000000000000", "3.0", "0.3"]  # float32(1e16) is 10000000272564224
+    f32 = pd.DataFrame({"prompt": [f"q{i}" for i in range(6)], "answer": np.array(written, dtype=np.float32)})
+    f32.to_parquet(tmp_path / "f32.parquet")
+    f32.to_csv(tmp_path / "f32.csv", index=False)  # pandas writes float32's shortest text; read back as float64
+    datasets.Dataset.from_pandas(f32).to_parquet(str(tmp_path / "ds.parquet"))
+    for name in ("f32.parquet", "f32.csv", "ds.parquet"):
+        examples = grpo.load_examples(str(tmp_path / name), "train", True)
+        assert [ex["answer"] for ex in examples] == written, name
+    wide = pd.DataFrame({"prompt": ["a", "b"], "answer": [0.1, float(np.float32(0.1))]})  # float64: its own text
+    wide.to_parquet(tmp_path / "f64.parquet")
+    assert [ex["answer"] for ex in grpo.load_examples(str(tmp_path / "f64.parquet"), "train", True)] == \
+        ["0.1", "0.10000000149011612"]
+    pd.DataFrame({"prompt": ["a", "b"], "answer": [7, -12]}).to_csv(tmp_path / "int.csv", index=False)
+    pq.write_table(pa.table({"prompt": ["a", "b"], "answer": pa.array([7, 40000], pa.int32())}), tmp_path / "i.parquet")
+    pq.write_table(pa.table({"prompt": ["a"], "answer": pa.array([decimal.Decimal("12.50")], pa.decimal128(5, 2))}),
+                   tmp_path / "dec.parquet")
+    got = [[ex["answer"] for ex in grpo.load_examples(str(tmp_path / f), "train", True)]
+           for f in ("int.csv", "i.parquet", "dec.parquet")]
+    assert got == [["7", "-12"], ["7", "40000"], ["12.50"]]
+    pd.DataFrame({"prompt": ["a"], "answer": [True]}).to_parquet(tmp_path / "bool.parquet")
+    with pytest.raises(SystemExit, match="bool.parquet@train:1: each line needs .* an answer .a string or a finite"):
+        grpo.load_examples(str(tmp_path / "bool.parquet"), "train", True)
+    _, evals = grpo.load_data(grpo.parse_args(["--dataset", str(tmp_path / "f32.parquet"), "--eval-dataset",
+                                               str(tmp_path / "f32.parquet")]))
+    boxed = [f"so \\boxed{{{x}}}" for x in ("0.00005", "0.1", "2.5", "10,000,000,000,000,000", "3", ".3")]
+    fns = grpo.build_rewards(grpo.parse_args(["--rewards", "correct"]))
+    assert grpo.score(boxed, evals, [5] * 6, fns, grpo.parse_args([]))[0].tolist() == [1.0] * 6
+    a, model, tok = loaded
+
+    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None):  # each prompt's boxed answer
+        asked = [next(i for i in range(6) if f"q{i}<" in t) for t in texts]  # the prompt ends 'q3<|im_end|>'
+        return None, [torch.tensor(tok(boxed[i], add_special_tokens=False).input_ids)
+                      for i in asked for _ in range(n)], None, None
+    monkeypatch.setattr(grpo, "generate", fake_generate)
+    assert grpo.evaluate(model, tok, evals, replace(a, eval_samples=0), 0, 1)["eval/accuracy"] == 1.0
+
+
+@pytest.mark.parametrize("lines", [['{"prompt": "a", "answer": NaN}'], ['{"prompt": "a", "answer": Infinity}'],
+                                   ['{"prompt": "a", "answer": -Infinity}'], ['{"prompt": "a", "answer": 1e400}'],
+                                   "prompt,answer\na,1e400\n", "prompt,answer\na,-inf\n"])
+def test_an_answer_no_completion_can_equal_is_refused_at_load(tmp_path, monkeypatch, lines):
+    """NaN, ±Infinity (JSON's 1e400 too, and a CSV's) are no answer a reward can grade: refused with the line."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    path = write(tmp_path / "d.jsonl", lines) if isinstance(lines, list) else str(tmp_path / "d.csv")
+    if isinstance(lines, str):
+        (tmp_path / "d.csv").write_text(lines)
+    with pytest.raises(SystemExit, match=r"d\.(jsonl|csv@train):1: each line needs .* an answer .a string or a finite"):
+        grpo.load_examples(path, "train", False)
+
+
 def test_gsm8k_format_jsonl(tmp_path):
     path = write(tmp_path / "g.jsonl", ['{"question": "2+2?", "answer": "2+2=<<2+2=4>>4\\n#### 4"}'])
     assert grpo.load_examples(path, "train", True) == [{"question": "2+2?", "prompt": "2+2?", "answer": "4"}]
@@ -1637,6 +1699,33 @@ def test_a_local_parquet_csv_or_json_file_loads_through_datasets(tmp_path, monke
     (tmp_path / "bad.json").write_text('{"question": "2+2?", "answer": \n')
     with pytest.raises(SystemExit, match=f"^grpo: error: {tmp_path}/bad.json@train: "):
         grpo.load_data(grpo.parse_args(["--dataset", str(tmp_path / "bad.json")]))
+
+
+@pytest.mark.parametrize("name, text", [("e.csv", ""), ("e.json", ""), ("e.parquet", ""), ("e.jsonl", ""),
+                                        ("head.csv", "prompt,answer\n"), ("list.json", "[]\n"), ("blank.jsonl", "\n\n")])
+def test_a_local_file_with_no_rows_says_so_in_one_line(tmp_path, monkeypatch, name, text):
+    """Empty, a CSV header alone, a JSON []: grpo's own line, as an empty JSONL file gets, not `datasets`' words."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    (tmp_path / name).write_text(text)
+    with pytest.raises(SystemExit, match=f"^grpo: error: {tmp_path / name}: no examples$"):
+        grpo.load_data(grpo.parse_args(["--dataset", str(tmp_path / name)]))
+
+
+def test_an_upper_case_extension_loads_and_a_file_has_one_split(tmp_path, monkeypatch):
+    """DATA.PARQUET is parquet, not JSONL; a local file is the one split `datasets` makes of it, 'train' (the
+    rows of --dataset and of --eval-dataset alike): FILE@train is that, FILE@test (a JSONL file too) is refused in
+    one line, never looked for on the hub."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    want = grpo.load_examples(write(tmp_path / "g.jsonl", [json.dumps(r) for r in GSM8K]), "train", True)
+    datasets.Dataset.from_list(GSM8K).to_parquet(str(tmp_path / "G.PARQUET"))
+    assert grpo.load_data(grpo.parse_args(["--dataset", str(tmp_path / "G.PARQUET")]))[0] == want
+    assert grpo.load_data(grpo.parse_args(["--dataset", f"{tmp_path}/g.jsonl@train"]))[0] == want
+    for name in ("g.jsonl", "G.PARQUET"):
+        with pytest.raises(SystemExit, match=f"^grpo: error: {tmp_path / name}@test: Unknown split \"test\". Should "
+                                             r"be one of \['train'\]\.$"):
+            grpo.load_data(grpo.parse_args(["--dataset", f"{tmp_path / name}@test"]))
 
 
 def test_a_dataset_without_datasets_installed_is_one_line(monkeypatch):
