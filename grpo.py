@@ -344,8 +344,8 @@ def load_examples(source: str, split: str, graded: bool, reward_fns=()) -> list[
         out.append({**rec, "prompt": prompt, "answer": answer})
         fields = {k: v for k, v in out[-1].items() if k != "answer"}
         for name, fn, _ in reward_fns:  # bound as score() will call it: a field a reward needs is here
-            kw = {k: 0 for k, p in inspect.signature(fn).parameters.items() if p.kind == p.KEYWORD_ONLY}
-            try:  # a keyword-only parameter is the reward's own (rewards.py): never a record's to set
+            try:  # a keyword-only parameter with a default is the reward's own (rewards.py): no record's
+                kw = inspect.getfullargspec(fn).kwonlydefaults or {}  # (and T, that a partial binds)
                 inspect.signature(fn).bind(answer, answer, **fields, **{**kw, "length": 0})
             except TypeError as e:  # a keyword the reward requires and the record lacks, or the reverse
                 fail(f"{where}: reward {name!r} cannot take this record's fields: {e}")

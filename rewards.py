@@ -5,13 +5,13 @@ A reward is `fn(completion: str, answer: str, **kw) -> float`: the completion te
 (special tokens stripped), the reference answer (for GSM8K the number after
 `####`), and as keywords `length` (the completion's tokens, its EOS included) and
 the data record's other fields; one with a `max_length` parameter gets
-T = --max-new-tokens there. A keyword-only parameter (after `*`: `max_penalty`
-below, and `max_length` once bound to T) is the reward's own: a record with a
-field of that name is refused, never passed to it. `REWARDS` maps the names that
-`--rewards correct:1,format:0.2` accepts to these functions. Add yours there, or
-pass `--reward-fn my_file.py:my_fn` without touching this file. A reward that
-grades against the answer is marked `@reads_answer`: grpo.py then refuses records
-whose answer is empty.
+T = --max-new-tokens there. A keyword-only parameter with a default (after `*`:
+`max_penalty` below; `max_length` once bound to T) is the reward's own setting: a
+record with a field of that name is refused, never passed to it. `REWARDS` maps
+the names that `--rewards correct:1,format:0.2` accepts to these functions. Add
+yours there, or pass `--reward-fn my_file.py:my_fn` without touching this file. A
+reward that grades against the answer is marked `@reads_answer`: grpo.py then
+refuses records whose answer is empty.
 
 Model text is never eval'd or exec'd. Every regex here is linear-time and
 every answer and number is capped in length, so adversarial text (megabytes of

@@ -1255,6 +1255,9 @@ def test_reward_functions_get_the_record_s_fields_and_the_length(tmp_path):
     assert seen == [("all", "", {"prompt": "Write f.", "tests": ["assert f() == 1"], "length": 5}),
                     ("some", "", "Write f.")]
     assert grpo.load_examples(write(tmp_path / "d.jsonl", [json.dumps(ex)]), "train", False, fns) == [ex]
+    only = [("only", lambda c, ans, *, tests, **kw: float(len(tests)), 1.0)]  # keyword-only, no default: the record's
+    assert grpo.load_examples(write(tmp_path / "d.jsonl", [json.dumps(ex)]), "train", False, only) == [ex]
+    assert grpo.score(["x"], [ex], [1], only, a)[0].item() == 1.0
     with pytest.raises(SystemExit, match="reward 'none' raised TypeError: .*unexpected keyword argument 'prompt'"):
         grpo.score(["x"], [ex], [1], [("none", lambda c, ans: 3.0, 1.0)], a)
 
@@ -1271,6 +1274,31 @@ def test_a_record_without_a_field_the_reward_needs_is_named_at_start(tmp_path, l
         main(["--dataset", data, "--reward-fn", f"{tmp_path}/rw.py:r", "--model", "no-such/model",
               "--output-dir", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("rewards, field", [("cosine", "max_length"), ("repetition", "max_penalty"),
+                                            ("repetition", "ngram_size"), ("mine", "max_length"), ("mine", "scale")])
+def test_a_record_field_never_sets_a_reward_s_own_parameter(tmp_path, rewards, field):
+    """A keyword-only parameter is the reward's own: a built-in's (repetition's max_penalty: 5 would make it a
+    bonus), or one grpo.py binds (T as max_length, for any reward that takes it). A record with a field of that name
+    is refused at load, naming the field and the reward, never passed on. Other fields reach a custom reward's
+    parameters as in TRL, and a field one reward does not own may be another's."""
+    (tmp_path / "rw.py").write_text("def mine(c, a, level=0, max_length=1, *, scale=1.0, **kw):\n"
+                                    "    return scale * level + max_length\n")
+    argv = ["--rewards", rewards] if rewards != "mine" else ["--reward-fn", f"{tmp_path}/rw.py:mine"]
+    fns = grpo.build_rewards(grpo.parse_args(argv + ["--max-new-tokens", "40"]))
+    data = write(tmp_path / "d.jsonl", ['{"prompt": "q", "answer": "1", "level": 2}',
+                                        json.dumps({"prompt": "q", "answer": "1", field: 5})])
+    with pytest.raises(SystemExit, match=f"d.jsonl:2: reward '{rewards}' cannot take this record's fields: .*"
+                                         f"multiple values for keyword argument '{field}'"):
+        grpo.load_examples(data, "train", False, fns)
+    others = {"max_length": "max_penalty", "max_penalty": "max_length", "ngram_size": "max_length", "scale": "x"}
+    data = write(tmp_path / "d.jsonl", ['{"prompt": "q", "answer": "1", "level": 2}',
+                                        json.dumps({"prompt": "q", "answer": "1", others[field]: 5})])
+    examples = grpo.load_examples(data, "train", False, fns)
+    total, _, _ = grpo.score(["a a a a a a"] * 2, examples, [20, 20], fns, grpo.parse_args([]))
+    want = {"cosine": [-0.75, -0.75], "repetition": [-0.75, -0.75], "mine": [2 + 40, 40]}[rewards]
+    assert total.tolist() == pytest.approx(want)  # cosine at T = 40: 20 tokens is half way; 4 trigrams, 1 unique
 
 
 def test_which_rewards_read_the_answer_is_marked_on_the_reward(tmp_path):
