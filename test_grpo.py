@@ -1815,6 +1815,48 @@ def test_bad_pool_is_a_clear_error_before_training(tiny_dir, tmp_path, case, say
     assert not (tmp_path / "out").exists()
 
 
+def test_a_prompt_with_no_room_for_t_tokens_is_refused_at_start_with_its_file_and_line(tiny_dir, tmp_path):
+    """Prompt tokens + T must fit the model's context (config.max_position_embeddings, 4096 for the tiny model):
+    a longer prompt, in --dataset or --eval-dataset, is refused before anything is written, naming its file and line,
+    not met hours in as an allocation error inside generate. The tiny tokenizer is one token a byte."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    template = len(tok(grpo.chat_prompt(tok, "", grpo.Args.system_prompt), add_special_tokens=False).input_ids)
+    long = json.dumps({"prompt": "x" * 4090, "answer": "1"})
+    short = '{"prompt": "q", "answer": "1"}'
+    data = write(tmp_path / "d.jsonl", [short, "", long])
+    evals = write(tmp_path / "e.jsonl", [short, long])
+    argv = ["--model", tiny_dir, "--output-dir", str(tmp_path / "out")] + TINY
+    for extra, where in ((["--dataset", data], f"{data}:3"), (["--eval-dataset", evals], f"{evals}:2")):
+        with pytest.raises(SystemExit, match=f"^grpo: error: {where}: a prompt of {template + 4090} tokens, with "
+                                             f"--max-new-tokens 12, is over the model's context .4096.: shorten it"):
+            main(argv + extra)
+        assert not (tmp_path / "out").exists()
+
+
+def test_only_the_prompts_a_byte_count_leaves_in_doubt_are_tokenized_at_start(loaded, tmp_path, monkeypatch):
+    """longest_prompt: at the context's edge, by hand (prompt tokens + T = the context fits, one more does not); the
+    built-in task's 20,000 prompts are not tokenized at all (none is near 4096 bytes); and with every (the compiled
+    sampler's one shape) the longest of all, as tokenizing each gives."""
+    a, model, tok = loaded
+    template = len(tok(grpo.chat_prompt(tok, "", a.system_prompt), add_special_tokens=False).input_ids)
+    monkeypatch.setattr(model.config, "max_position_embeddings", template + 50 + a.max_new_tokens)
+    data = write(tmp_path / "d.jsonl", [json.dumps({"prompt": "x" * n, "answer": "1"}) for n in (3, 50, 49, 51)])
+    examples = grpo.load_examples(data, "train", False)
+    assert grpo.longest_prompt(model, tok, a, examples[:3], [], every=False) == template + 50
+    assert grpo.longest_prompt(model, tok, a, examples[:3], [], every=True) == template + 50
+    with pytest.raises(SystemExit, match=f"^grpo: error: {data}:4: a prompt of {template + 51} tokens, with "
+                                         f"--max-new-tokens {a.max_new_tokens}, is over the model's context "
+                                         f".{template + 50 + a.max_new_tokens}.: shorten it"):
+        grpo.longest_prompt(model, tok, replace(a, dataset=data), examples, [], every=False)
+    monkeypatch.undo()
+    train, evals = grpo.load_data(replace(a, dataset=""))
+    assert len(train) == 20000 and grpo.longest_prompt(model, tok, a, train, evals, every=False) == 0
+    texts = [grpo.chat_prompt(tok, ex["prompt"], a.system_prompt) for ex in train[:300] + evals]
+    longest = max(len(tok(t, add_special_tokens=False).input_ids) for t in texts)
+    assert grpo.longest_prompt(model, tok, a, train[:300], evals, every=True) == longest
+
+
 def test_a_tokenizer_learnt_from_a_corpus_merges_words_and_splits_numbers_into_digits():
     corpus = ["Ava has 23 apples and gets 45 more."] * 20
     tok = tiny.make_tokenizer(vocab_size=300, corpus=corpus)
