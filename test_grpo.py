@@ -1340,6 +1340,20 @@ def test_a_reward_that_raises_or_returns_no_finite_number_stops_the_run_named(va
         grpo.score(["x"], [{"prompt": "p", "answer": "1"}], [1], fns, grpo.parse_args([]))
 
 
+def test_rewards_that_overflow_float32_in_their_group_s_std_are_refused():
+    """Each of ±3e38 is finite in float32, but the group's std squares R - mean_g: std_g = inf, so every A = 0 and
+    nothing trains, without a word; a group of two 3e38 overflows its mean (A = NaN). Refused where the groups are
+    chosen, before the step. 1e18 (its square is 1e36) trains."""
+    a = grpo.parse_args([])
+    adv, _ = grpo.group_advantages(torch.tensor([[3e38, -3e38]]))
+    assert adv.tolist() == [[0.0, 0.0]]  # what would have trained
+    for bad in ([[1.0, 0.0], [3e38, -3e38]], [[3e38, 3e38]], [[math.inf, 1.0]]):
+        with pytest.raises(SystemExit, match=r"^grpo: error: rewards up to (3e\+38|inf) overflow float32 in their "
+                                             r"group's std: scale them"):
+            grpo.select_groups(torch.tensor(bad), a)
+    assert grpo.select_groups(torch.tensor([[1e18, -1e18], [1.0, 0.0]]), a)[0].tolist() == [0, 1]
+
+
 def test_a_non_finite_reward_weight_stops_the_run():
     for w in ("nan", "inf", "x", "1e39"):  # 1e39: a finite float that float32 makes inf (inf x 0 = nan)
         with pytest.raises(SystemExit, match=f"weight '{w}' of 'correct' is not a number finite in float32"):
@@ -3000,6 +3014,15 @@ def test_a_run_in_which_nothing_trains_says_so_once(tiny_dir, tmp_path, capsys):
                      "denser reward, a stronger model or easier prompts (--log-samples 1 shows them)"]
     equal = [r["groups/equal_frac"] for r in metrics(str(tmp_path / "out"))]
     assert equal == [1.0] * 4 + [0.5] + [1.0] * 5 + [0.5] + [1.0] * 5
+
+
+def test_a_run_whose_rewards_overflow_their_group_s_std_stops_at_its_first_step(tiny_dir, tmp_path):
+    """A reward of ±3e38 (finite, so score takes it) would make every advantage 0: the run stops at step 1, saying so."""
+    body = "n = 0\ndef r(c, a, **kw):\n    global n\n    n += 1\n    return 3e38 * (-1) ** n\n"
+    with pytest.raises(SystemExit, match=r"^grpo: error: rewards up to 3e\+38 overflow float32 in their group's std"):
+        main(["--model", tiny_dir, "--output-dir", str(tmp_path / "out"), "--max-steps", "2"] + TINY
+             + ["--eval-every", "0"] + reward_file(tmp_path, body)[:2])
+    assert not (tmp_path / "out" / "checkpoint").exists()
 
 
 def test_tiny_py_builds_a_model_from_the_command_line(tmp_path, monkeypatch, capsys):
