@@ -1213,6 +1213,23 @@ def test_repetition_reward_by_hand_and_against_trl():
     assert R.REWARDS["repetition"] is R.repetition and not getattr(R.repetition, "reads_answer", False)
 
 
+def test_repetition_reward_s_parameters_each_change_its_value_by_hand():
+    """Texts whose n-gram counts differ with n, so that a reward counting other n-grams than asked (2-word grams for
+    the default 3), or a max_penalty not applied, fails. 'a b a b a': 2-grams ab ba ab ba (2 of 4 unique), 3-grams
+    aba bab aba (2 of 3), 4-grams abab baba (2 of 2); 'x y x y x y': 2-grams 2 of 5 unique, 3-grams 2 of 4."""
+    assert R.repetition("a b a b a", "") == pytest.approx(-(1 - 2 / 3))  # n = 3 by default, max_penalty -1
+    assert R.repetition("a b a b a", "", ngram_size=2) == pytest.approx(-(1 - 2 / 4))
+    assert R.repetition("a b a b a", "", ngram_size=4) == 0.0
+    assert R.repetition("a b a b a", "", ngram_size=6) == 0.0  # fewer words than n
+    assert R.repetition("x y x y x y", "", max_penalty=-0.5) == pytest.approx(-0.5 * (1 - 2 / 4))
+    assert R.repetition("x y x y x y", "", ngram_size=2, max_penalty=-2.0) == pytest.approx(-2.0 * (1 - 2 / 5))
+    fns = grpo.build_rewards(grpo.parse_args(["--rewards", "repetition:2"]))  # the registry's, weighted
+    total, _, _ = grpo.score(["a b a b a", "x y x y x y"], [{"prompt": "p", "answer": ""}] * 2, [5, 6], fns,
+                             grpo.parse_args([]))
+    assert total.tolist() == pytest.approx([-2 * (1 - 2 / 3), -2 * (1 - 2 / 4)])
+    assert R.cosine("so \\boxed{3}", "3", length=128) == pytest.approx(0.75)  # cosine's own L_max: 256, half way
+
+
 def test_overlong_penalty_by_hand():
     """DAPO (2503.14476) eq. 13 with L_max = 10, L_cache = 4: 0 up to 6 tokens, then (6 - |o|) / 4 down to
     -1 at 10 tokens, -1 beyond."""
