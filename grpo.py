@@ -506,11 +506,10 @@ def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False
     comps = [c[m] for c, m in zip(comp, mask)]
     return prompts, comps, truncated.tolist(), [lp[m] for lp, m in zip(logp, mask)]
 
-def longest_prompt(model, tok, a: Args, train: list, evals: list, every: bool) -> int:
-    """The longest chat prompt's tokens, of all if every, else of those bytes leave in doubt (0 if none)."""
+def longest_prompt(model, tok, a: Args, train, evals, every: bool) -> int:  # of the prompts it tokenizes
     room = (getattr(model.config, "max_position_embeddings", None) or math.inf) - a.max_new_tokens
-    bound = len(chat_prompt(tok, "", a.system_prompt).encode()) + 3  # a token is a byte or more, but 3
-    longest = 0  # (BOS, EOS, a leading space mark): a prompt of fewer bytes than room - bound fits
+    bound = len(chat_prompt(tok, "", a.system_prompt).encode()) + 3  # a token is a byte or more, but for a
+    longest = 0  # BOS, an EOS and a leading space mark: a prompt of room - bound bytes or fewer fits
     for source, split, examples in ((a.dataset, "train", train), (a.eval_dataset, "test", evals)):
         doubt = [i for i, ex in enumerate(examples) if every or len(ex["prompt"].encode()) + bound > room]
         texts = [chat_prompt(tok, examples[i]["prompt"], a.system_prompt) for i in doubt]  # tok([]) fails:
@@ -1290,7 +1289,7 @@ def start(a: Args):
     model, tok, ref_model = load_model(a, device, ckpt if a.resume else None)
     pool = load_teacher_pool(a, train, tok) if a.teacher_pool else None
     compiled = a.compile_generate == "on" or a.compile_generate == "auto" and device.type == "cuda"
-    longest = longest_prompt(model, tok, a, train, evals, every=compiled)  # (a prompt past the context fails)
+    longest = longest_prompt(model, tok, a, train, evals, every=compiled)  # one past the context fails
     sampler = compile_sampler(model, a, longest, world) if compiled else None
     opt = make_optimizer(a, model)
     torch.manual_seed(a.seed + 1000 * rank)  # sampling and teacher draws differ per rank, and repeat per run
