@@ -334,8 +334,8 @@ def load_examples(source: str, split: str, graded: bool, reward_fns=()) -> list[
         answer = rec.get("answer")
         given = isinstance(answer, (str, numbers.Real, decimal.Decimal)) and not isinstance(answer, bool)
         if given and not isinstance(answer, str):  # a number: finite, and as the shortest text that reads
-            given = decimal.Decimal(str(answer)).is_finite()  # back as it in its own precision (str() is
-            answer = format(decimal.Decimal(str(answer)), "f")  # that, numpy's too): 0.00005; float32's 0.1
+            given = decimal.Decimal(str(answer)).is_finite()  # back as it in its own precision, as str() of
+            answer = format(decimal.Decimal(str(answer)), "f")  # Python's and numpy's: 0.00005, float32's 0.1
         answer = reference_answer(str(answer))  # graded: it is read, so not empty, not '####'
         bad = not given or graded and (not answer or "####" in answer)  # (nothing equals a NaN, JSON's 1e400)
         if not isinstance(prompt, str) or not prompt.strip() or bad:
