@@ -296,7 +296,7 @@ def read_records(source: str, split: str) -> list[tuple[str, dict]]:
     """(where, record): a JSONL file's lines, else rows through `datasets`: a .parquet, .csv or .json file's,
     or those of NAME[:CONFIG][@SPLIT], a hub id or a local directory."""
     path, rest = split_path(source)
-    kind = {".parquet": "parquet", ".csv": "csv", ".json": "json"}.get(os.path.splitext(path)[1])
+    kind = {".parquet": "parquet", ".csv": "csv", ".json": "json"}.get(os.path.splitext(path)[1].lower())
     if not kind and not rest and (os.path.isfile(path) or path.endswith(".jsonl")):
         try:
             lines = pathlib.Path(source).read_bytes().splitlines()
@@ -319,15 +319,18 @@ def read_records(source: str, split: str) -> list[tuple[str, dict]]:
         split = named or split
         try:
             from datasets import get_dataset_config_names, load_dataset
-            if kind:  # a local file: its rows are the one split `datasets` makes of it
-                split = "train"
-                rows = load_dataset(kind, data_files=path, split=split)
+            if kind or os.path.isfile(path):  # a local file: its rows are the one split `datasets` makes
+                split = named or "train"
+                rows = load_dataset(kind or "json", data_files=path, split=split)
             else:
                 rows = load_dataset(path, config[1:] or get_dataset_config_names(path)[0], split=split)
+            if "float" in str(rows.features.get("answer")):  # numpy's numbers: a float32 column's in float32
+                rows = rows.with_format("numpy", columns=["answer"], output_all_columns=True)
         except ImportError as e:  # `datasets`, or a package it needs for this one
             fail(f"{source} is not a JSONL file: a dataset needs `pip install datasets` ({e})")
         except Exception as e:  # not found, offline, no such config or split: what `datasets` says, one line
-            fail(f"{path}{config}@{split}: {' '.join(str(e).split())}")
+            empty = "corresponds to no data" in str(e) or os.path.isfile(path) and not os.path.getsize(path)
+            fail(f"{source}: no examples" if empty else f"{path}{config}@{split}: {' '.join(str(e).split())}")
         rows = [(f"{path}{config}@{split}:{i}", rec) for i, rec in enumerate(rows, 1)]
     if not rows:
         fail(f"{source}: no examples")
@@ -339,18 +342,21 @@ def load_examples(source: str, split: str, graded: bool, reward_fns=()) -> list[
     for where, rec in read_records(source, split):
         prompt = rec.get("question", rec.get("prompt"))
         answer = rec.get("answer")
-        if isinstance(answer, float) and math.isfinite(answer):  # as written: 0.00005, not Python's 5e-05
-            answer = format(decimal.Decimal(repr(answer)), "f")
+        given = isinstance(answer, (str, numbers.Real, decimal.Decimal)) and not isinstance(answer, bool)
+        if given and not isinstance(answer, str):  # a number: finite, and as the shortest text that reads
+            given = decimal.Decimal(str(answer)).is_finite()  # back as it in its own precision, as str() of
+            answer = format(decimal.Decimal(str(answer)), "f")  # Python's and numpy's: 0.00005, float32's 0.1
         answer = reference_answer(str(answer))  # graded: it is read, so not empty, not '####'
-        bad = type(rec.get("answer")) not in (str, int, float) or graded and (not answer or "####" in answer)
+        bad = not given or graded and (not answer or "####" in answer)  # (nothing equals a NaN, JSON's 1e400)
         if not isinstance(prompt, str) or not prompt.strip() or bad:
             fail(f"{where}: each line needs a prompt (or GSM8K's question) and an answer (a string or a "
-                 f"number; GSM8K's: '... #### N'), neither empty")
+                 f"finite number; GSM8K's: '... #### N'), neither empty")
         out.append({**rec, "prompt": prompt, "answer": answer})
         fields = {k: v for k, v in out[-1].items() if k != "answer"}
         for name, fn, _ in reward_fns:  # bound as score() will call it: a field a reward needs is here
-            try:
-                inspect.signature(fn).bind(answer, answer, **fields, length=0)
+            try:  # a keyword-only parameter with a default is the reward's own (rewards.py): no record's
+                kw = inspect.getfullargspec(fn).kwonlydefaults or {}  # (and T, that a partial binds)
+                inspect.signature(fn).bind(answer, answer, **fields, **{**kw, "length": 0})
             except TypeError as e:  # a keyword the reward requires and the record lacks, or the reverse
                 fail(f"{where}: reward {name!r} cannot take this record's fields: {e}")
     return out
@@ -510,6 +516,21 @@ def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False
     comps = [c[m] for c, m in zip(comp, mask)]
     return prompts, comps, truncated.tolist(), [lp[m] for lp, m in zip(logp, mask)]
 
+def longest_prompt(model, tok, a: Args, train, evals, every: bool) -> int:  # of the prompts it tokenizes
+    room = (getattr(model.config, "max_position_embeddings", None) or math.inf) - a.max_new_tokens
+    bound = len(chat_prompt(tok, "", a.system_prompt).encode()) + 3  # a token is a byte or more, but for a
+    longest = 0  # BOS, an EOS and a leading space mark: a prompt of room - bound bytes or fewer fits
+    for source, split, examples in ((a.dataset, "train", train), (a.eval_dataset, "test", evals)):
+        doubt = [i for i, ex in enumerate(examples) if every or len(ex["prompt"].encode()) + bound > room]
+        texts = [chat_prompt(tok, examples[i]["prompt"], a.system_prompt) for i in doubt]  # tok([]) fails:
+        for i, ids in zip(doubt, tok(texts or [""], add_special_tokens=not tok.chat_template).input_ids):
+            if len(ids) > room:  # refused now, not met hours in as an allocation error inside generate
+                where = read_records(source, split)[i][0] if source else "the built-in task"
+                fail(f"{where}: a prompt of {len(ids)} tokens, with --max-new-tokens {a.max_new_tokens}, is "
+                     f"over the model's context ({room + a.max_new_tokens}): shorten it, or lower T")
+            longest = max(longest, len(ids))
+    return longest
+
 def compile_sampler(model, a: Args, prompt_len: int, world: int = 1) -> dict | None:
     """--compile-generate: one shape for every call (prompts padded to the longest, rows to B / ranks x G,
     a static KV cache), so the decode step compiles once, reading the weights in place. None for two runs."""
@@ -592,6 +613,8 @@ def select_groups(rewards: torch.Tensor, a: Args) -> tuple[torch.Tensor, bool, s
     B were found, and --dry-run's words. Dynamic sampling (DAPO §3.2) keeps groups whose rewards differ, and
     rollout samples again until B are kept or max_gen_rounds; then the first B. FORKER: a filter before
     `enough` is refilled by sampling again; one after it leaves fewer groups to train."""
+    if not rewards.std(1).isfinite().all():  # float32's: std_g squares R - mean_g (A = 0), mean_g sums R
+        fail(f"rewards up to {rewards.abs().max():.3g} overflow float32 in their group's std: scale them")
     keep = torch.arange(len(rewards))
     words = "all"
     if a.dynamic_sampling:
@@ -676,7 +699,6 @@ def group_metrics(groups: list[dict]) -> dict:
         out[f"reward/mean_{source}"] = statistics.mean(r["reward"] for r in part)
         out[f"completion/mean_length_{source}"] = statistics.mean(r["length"] for r in part)
     return out
-
 
 def collate(groups: list[dict], pad_id: int, device) -> dict:
     """Groups -> padded tensors, a row a completion (N = 0 on a rank that kept no group)."""
@@ -1297,11 +1319,9 @@ def start(a: Args):
     torch.manual_seed(a.seed)  # the same LoRA init on every rank
     model, tok, ref_model = load_model(a, device, ckpt if a.resume else None)
     pool = load_teacher_pool(a, train, tok) if a.teacher_pool else None
-    sampler = None
-    if a.compile_generate == "on" or a.compile_generate == "auto" and device.type == "cuda":
-        texts = [chat_prompt(tok, ex["prompt"], a.system_prompt) for ex in train + evals]
-        longest = max(len(ids) for ids in tok(texts, add_special_tokens=not tok.chat_template).input_ids)
-        sampler = compile_sampler(model, a, longest, world)
+    compiled = a.compile_generate == "on" or a.compile_generate == "auto" and device.type == "cuda"
+    longest = longest_prompt(model, tok, a, train, evals, every=compiled)  # one past the context fails
+    sampler = compile_sampler(model, a, longest, world) if compiled else None
     opt = make_optimizer(a, model)
     torch.manual_seed(a.seed + 1000 * rank)  # sampling and teacher draws differ per rank, and repeat per run
     random.seed(a.seed + 1000 * rank)

@@ -5,11 +5,13 @@ A reward is `fn(completion: str, answer: str, **kw) -> float`: the completion te
 (special tokens stripped), the reference answer (for GSM8K the number after
 `####`), and as keywords `length` (the completion's tokens, its EOS included) and
 the data record's other fields; one with a `max_length` parameter gets
-T = --max-new-tokens there. `REWARDS` maps the names that
-`--rewards correct:1,format:0.2` accepts to these functions. Add yours there, or
-pass `--reward-fn my_file.py:my_fn` without touching this file. A reward that
-grades against the answer is marked `@reads_answer`: grpo.py then refuses records
-whose answer is empty.
+T = --max-new-tokens there. A keyword-only parameter with a default (after `*`:
+`max_penalty` below; `max_length` once bound to T) is the reward's own setting: a
+record with a field of that name is refused, never passed to it. `REWARDS` maps
+the names that `--rewards correct:1,format:0.2` accepts to these functions. Add
+yours there, or pass `--reward-fn my_file.py:my_fn` without touching this file. A
+reward that grades against the answer is marked `@reads_answer`: grpo.py then
+refuses records whose answer is empty.
 
 Model text is never eval'd or exec'd. Every regex here is linear-time and
 every answer and number is capped in length, so adversarial text (megabytes of
@@ -230,7 +232,7 @@ def math_verify(completion: str, answer: str, **kw) -> float:
 
 
 @reads_answer
-def cosine(completion: str, answer: str, length: int = 0, max_length: int = 256, **kw) -> float:
+def cosine(completion: str, answer: str, length: int = 0, *, max_length: int = 256, **kw) -> float:
     """Demystifying Long CoT (2502.03373) App. C.1, with TRL's get_cosine_scaled_reward defaults: correctness
     scaled by the length (tokens) on a cosine, 1.0 at length 0 down to 0.5 at max_length when correct, -1.0 up
     to -0.5 when wrong: short right answers score best, short wrong ones worst. Past max_length the length
@@ -240,7 +242,8 @@ def cosine(completion: str, answer: str, length: int = 0, max_length: int = 256,
     return lo + 0.5 * (hi - lo) * (1 + math.cos(math.pi * progress))
 
 
-def repetition(completion: str, answer: str, ngram_size: int = 3, max_penalty: float = -1.0, **kw) -> float:
+def repetition(completion: str, answer: str, *, ngram_size: int = 3, max_penalty: float = -1.0,
+               **kw) -> float:
     """Demystifying Long CoT (2502.03373) App. C.2, as open-r1: the share of repeated n-grams of the lower-cased
     whitespace words, (1 - unique / total) * max_penalty; 0 with fewer than n words. (TRL's
     get_repetition_penalty_reward counts n-grams of token ids; a reward gets the text.)"""

@@ -6,6 +6,7 @@ model in-process (gradients, log-probs, sampling); then whole runs of grpo.py, i
 and as a subprocess where a signal, torchrun or a fresh interpreter is what is tested."""
 import argparse
 import copy
+import decimal
 import itertools
 import json
 import math
@@ -1285,6 +1286,23 @@ def test_repetition_reward_by_hand_and_against_trl():
     assert R.REWARDS["repetition"] is R.repetition and not getattr(R.repetition, "reads_answer", False)
 
 
+def test_repetition_reward_s_parameters_each_change_its_value_by_hand():
+    """Texts whose n-gram counts differ with n, so that a reward counting other n-grams than asked (2-word grams for
+    the default 3), or a max_penalty not applied, fails. 'a b a b a': 2-grams ab ba ab ba (2 of 4 unique), 3-grams
+    aba bab aba (2 of 3), 4-grams abab baba (2 of 2); 'x y x y x y': 2-grams 2 of 5 unique, 3-grams 2 of 4."""
+    assert R.repetition("a b a b a", "") == pytest.approx(-(1 - 2 / 3))  # n = 3 by default, max_penalty -1
+    assert R.repetition("a b a b a", "", ngram_size=2) == pytest.approx(-(1 - 2 / 4))
+    assert R.repetition("a b a b a", "", ngram_size=4) == 0.0
+    assert R.repetition("a b a b a", "", ngram_size=6) == 0.0  # fewer words than n
+    assert R.repetition("x y x y x y", "", max_penalty=-0.5) == pytest.approx(-0.5 * (1 - 2 / 4))
+    assert R.repetition("x y x y x y", "", ngram_size=2, max_penalty=-2.0) == pytest.approx(-2.0 * (1 - 2 / 5))
+    fns = grpo.build_rewards(grpo.parse_args(["--rewards", "repetition:2"]))  # the registry's, weighted
+    total, _, _ = grpo.score(["a b a b a", "x y x y x y"], [{"prompt": "p", "answer": ""}] * 2, [5, 6], fns,
+                             grpo.parse_args([]))
+    assert total.tolist() == pytest.approx([-2 * (1 - 2 / 3), -2 * (1 - 2 / 4)])
+    assert R.cosine("so \\boxed{3}", "3", length=128) == pytest.approx(0.75)  # cosine's own L_max: 256, half way
+
+
 def test_overlong_penalty_by_hand():
     """DAPO (2503.14476) eq. 13 with L_max = 10, L_cache = 4: 0 up to 6 tokens, then (6 - |o|) / 4 down to
     -1 at 10 tokens, -1 beyond."""
@@ -1327,6 +1345,9 @@ def test_reward_functions_get_the_record_s_fields_and_the_length(tmp_path):
     assert seen == [("all", "", {"prompt": "Write f.", "tests": ["assert f() == 1"], "length": 5}),
                     ("some", "", "Write f.")]
     assert grpo.load_examples(write(tmp_path / "d.jsonl", [json.dumps(ex)]), "train", False, fns) == [ex]
+    only = [("only", lambda c, ans, *, tests, **kw: float(len(tests)), 1.0)]  # keyword-only, no default: the record's
+    assert grpo.load_examples(write(tmp_path / "d.jsonl", [json.dumps(ex)]), "train", False, only) == [ex]
+    assert grpo.score(["x"], [ex], [1], only, a)[0].item() == 1.0
     with pytest.raises(SystemExit, match="reward 'none' raised TypeError: .*unexpected keyword argument 'prompt'"):
         grpo.score(["x"], [ex], [1], [("none", lambda c, ans: 3.0, 1.0)], a)
 
@@ -1343,6 +1364,31 @@ def test_a_record_without_a_field_the_reward_needs_is_named_at_start(tmp_path, l
         main(["--dataset", data, "--reward-fn", f"{tmp_path}/rw.py:r", "--model", "no-such/model",
               "--output-dir", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("rewards, field", [("cosine", "max_length"), ("repetition", "max_penalty"),
+                                            ("repetition", "ngram_size"), ("mine", "max_length"), ("mine", "scale")])
+def test_a_record_field_never_sets_a_reward_s_own_parameter(tmp_path, rewards, field):
+    """A keyword-only parameter is the reward's own: a built-in's (repetition's max_penalty: 5 would make it a
+    bonus), or one grpo.py binds (T as max_length, for any reward that takes it). A record with a field of that name
+    is refused at load, naming the field and the reward, never passed on. Other fields reach a custom reward's
+    parameters as in TRL, and a field one reward does not own may be another's."""
+    (tmp_path / "rw.py").write_text("def mine(c, a, level=0, max_length=1, *, scale=1.0, **kw):\n"
+                                    "    return scale * level + max_length\n")
+    argv = ["--rewards", rewards] if rewards != "mine" else ["--reward-fn", f"{tmp_path}/rw.py:mine"]
+    fns = grpo.build_rewards(grpo.parse_args(argv + ["--max-new-tokens", "40"]))
+    data = write(tmp_path / "d.jsonl", ['{"prompt": "q", "answer": "1", "level": 2}',
+                                        json.dumps({"prompt": "q", "answer": "1", field: 5})])
+    with pytest.raises(SystemExit, match=f"d.jsonl:2: reward '{rewards}' cannot take this record's fields: .*"
+                                         f"multiple values for keyword argument '{field}'"):
+        grpo.load_examples(data, "train", False, fns)
+    others = {"max_length": "max_penalty", "max_penalty": "max_length", "ngram_size": "max_length", "scale": "x"}
+    data = write(tmp_path / "d.jsonl", ['{"prompt": "q", "answer": "1", "level": 2}',
+                                        json.dumps({"prompt": "q", "answer": "1", others[field]: 5})])
+    examples = grpo.load_examples(data, "train", False, fns)
+    total, _, _ = grpo.score(["a a a a a a"] * 2, examples, [20, 20], fns, grpo.parse_args([]))
+    want = {"cosine": [-0.75, -0.75], "repetition": [-0.75, -0.75], "mine": [2 + 40, 40]}[rewards]
+    assert total.tolist() == pytest.approx(want)  # cosine at T = 40: 20 tokens is half way; 4 trigrams, 1 unique
 
 
 def test_which_rewards_read_the_answer_is_marked_on_the_reward(tmp_path):
@@ -1382,6 +1428,20 @@ def test_a_reward_that_raises_or_returns_no_finite_number_stops_the_run_named(va
     fns = [("r", eval(f"lambda c, ans, **kw: {value}"), 1.0)]
     with pytest.raises(SystemExit, match=says):
         grpo.score(["x"], [{"prompt": "p", "answer": "1"}], [1], fns, grpo.parse_args([]))
+
+
+def test_rewards_that_overflow_float32_in_their_group_s_std_are_refused():
+    """Each of ±3e38 is finite in float32, but the group's std squares R - mean_g: std_g = inf, so every A = 0 and
+    nothing trains, without a word; a group of two 3e38 overflows its mean (A = NaN). Refused where the groups are
+    chosen, before the step. 1e18 (its square is 1e36) trains."""
+    a = grpo.parse_args([])
+    adv, _ = grpo.group_advantages(torch.tensor([[3e38, -3e38]]))
+    assert adv.tolist() == [[0.0, 0.0]]  # what would have trained
+    for bad in ([[1.0, 0.0], [3e38, -3e38]], [[3e38, 3e38]], [[math.inf, 1.0]]):
+        with pytest.raises(SystemExit, match=r"^grpo: error: rewards up to (3e\+38|inf) overflow float32 in their "
+                                             r"group's std: scale them"):
+            grpo.select_groups(torch.tensor(bad), a)
+    assert grpo.select_groups(torch.tensor([[1e18, -1e18], [1.0, 0.0]]), a)[0].tolist() == [0, 1]
 
 
 def test_a_non_finite_reward_weight_stops_the_run():
@@ -1699,9 +1759,9 @@ def test_a_path_holding_an_at_or_a_colon_is_made_absolute_and_checked_on_resume(
     (['{"prompt": "a", "answer": "1"}', '{"prompt": "x", "answer": null}'], "bad.jsonl:2: each line needs"),
     (['{"prompt": "x", "answer": " "}'], "bad.jsonl:1: each line needs a prompt .* neither empty"),
     (['{"question": "x", "answer": ""}'], "bad.jsonl:1: each line needs a prompt .or GSM8K's question."),
-    (['{"prompt": "a", "answer": "1"}', '{"prompt": "b", "answer": ["1", "2"]}'], "bad.jsonl:2: .* .a string or a number"),
-    (['{"prompt": "a", "answer": {"n": 1}}'], "bad.jsonl:1: each line needs .* an answer .a string or a number"),
-    (['{"prompt": "a", "answer": true}'], "bad.jsonl:1: each line needs .* an answer .a string or a number"),
+    (['{"prompt": "a", "answer": "1"}', '{"prompt": "b", "answer": ["1", "2"]}'], "bad.jsonl:2: .* .a string or a finite number"),
+    (['{"prompt": "a", "answer": {"n": 1}}'], "bad.jsonl:1: each line needs .* an answer .a string or a finite number"),
+    (['{"prompt": "a", "answer": true}'], "bad.jsonl:1: each line needs .* an answer .a string or a finite number"),
     (['{"question": "a", "answer": "2+2=4\\n####"}'], "bad.jsonl:1: each line needs .* GSM8K's: '... #### N'"),
     (['{"prompt": "a", "answer": "1"}', '{"prompt": "x\\ud800", "answer": "1"}'], "bad.jsonl:2: '\\\\ud800' is half a "
                                                                             "surrogate pair, not text"),
@@ -1731,6 +1791,67 @@ def test_an_answer_given_as_a_json_number_is_graded_as_written(tmp_path):
     assert [ex["answer"] for ex in examples] == ["0.00005", "10000000000000000", "2.5", "7"]
     assert R.is_correct("The answer is 0.00005.", examples[0]["answer"])
     assert R.is_correct("\\boxed{10,000,000,000,000,000}", examples[1]["answer"])
+
+
+def test_a_number_answer_is_the_shortest_text_that_reads_back_in_its_own_precision(tmp_path, monkeypatch, loaded):
+    """A float32 column (pandas, pyarrow) holds 0.1 as 0.100000001490116...: read as float64 it would be the
+    reference '0.10000000149011612', which no completion writes. Its answer is float32's shortest text, '0.1', as
+    JSON's 0.1 is float64's; a float64 column keeps float64's. An integer cell (CSV, int32) is its digits, a decimal
+    column its digits at its scale; a bool is no answer. Graded through the real loading code, in training (the
+    reward) and in evaluation."""
+    pd = pytest.importorskip("pandas")
+    datasets = pytest.importorskip("datasets")
+    np, pa, pq = pytest.importorskip("numpy"), pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    written = ["0.00005", "0.1", "2.5", "10000000000000000", "3.0", "0.3"]  # float32(1e16) is 10000000272564224
+    f32 = pd.DataFrame({"prompt": [f"q{i}" for i in range(6)], "answer": np.array(written, dtype=np.float32)})
+    f32.to_parquet(tmp_path / "f32.parquet")
+    f32.to_csv(tmp_path / "f32.csv", index=False)  # pandas writes float32's shortest text; read back as float64
+    datasets.Dataset.from_pandas(f32).to_parquet(str(tmp_path / "ds.parquet"))
+    for name in ("f32.parquet", "f32.csv", "ds.parquet"):
+        examples = grpo.load_examples(str(tmp_path / name), "train", True)
+        assert [ex["answer"] for ex in examples] == written, name
+    wide = pd.DataFrame({"prompt": ["a", "b"], "answer": [0.1, float(np.float32(0.1))]})  # float64: its own text
+    wide.to_parquet(tmp_path / "f64.parquet")
+    assert [ex["answer"] for ex in grpo.load_examples(str(tmp_path / "f64.parquet"), "train", True)] == \
+        ["0.1", "0.10000000149011612"]
+    pd.DataFrame({"prompt": ["a", "b"], "answer": [7, -12]}).to_csv(tmp_path / "int.csv", index=False)
+    pq.write_table(pa.table({"prompt": ["a", "b"], "answer": pa.array([7, 40000], pa.int32())}), tmp_path / "i.parquet")
+    pq.write_table(pa.table({"prompt": ["a"], "answer": pa.array([decimal.Decimal("12.50")], pa.decimal128(5, 2))}),
+                   tmp_path / "dec.parquet")
+    got = [[ex["answer"] for ex in grpo.load_examples(str(tmp_path / f), "train", True)]
+           for f in ("int.csv", "i.parquet", "dec.parquet")]
+    assert got == [["7", "-12"], ["7", "40000"], ["12.50"]]
+    pd.DataFrame({"prompt": ["a"], "answer": [True]}).to_parquet(tmp_path / "bool.parquet")
+    with pytest.raises(SystemExit, match="bool.parquet@train:1: each line needs .* an answer .a string or a finite"):
+        grpo.load_examples(str(tmp_path / "bool.parquet"), "train", True)
+    _, evals = grpo.load_data(grpo.parse_args(["--dataset", str(tmp_path / "f32.parquet"), "--eval-dataset",
+                                               str(tmp_path / "f32.parquet")]))
+    boxed = [f"so \\boxed{{{x}}}" for x in ("0.00005", "0.1", "2.5", "10,000,000,000,000,000", "3", ".3")]
+    fns = grpo.build_rewards(grpo.parse_args(["--rewards", "correct"]))
+    assert grpo.score(boxed, evals, [5] * 6, fns, grpo.parse_args([]))[0].tolist() == [1.0] * 6
+    a, model, tok = loaded
+
+    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None):  # each prompt's boxed answer
+        asked = [next(i for i in range(6) if f"q{i}<" in t) for t in texts]  # the prompt ends 'q3<|im_end|>'
+        return None, [torch.tensor(tok(boxed[i], add_special_tokens=False).input_ids)
+                      for i in asked for _ in range(n)], None, None
+    monkeypatch.setattr(grpo, "generate", fake_generate)
+    assert grpo.evaluate(model, tok, evals, replace(a, eval_samples=0), 0, 1)["eval/accuracy"] == 1.0
+
+
+@pytest.mark.parametrize("lines", [['{"prompt": "a", "answer": NaN}'], ['{"prompt": "a", "answer": Infinity}'],
+                                   ['{"prompt": "a", "answer": -Infinity}'], ['{"prompt": "a", "answer": 1e400}'],
+                                   "prompt,answer\na,1e400\n", "prompt,answer\na,-inf\n"])
+def test_an_answer_no_completion_can_equal_is_refused_at_load(tmp_path, monkeypatch, lines):
+    """NaN, ±Infinity (JSON's 1e400 too, and a CSV's) are no answer a reward can grade: refused with the line."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    path = write(tmp_path / "d.jsonl", lines) if isinstance(lines, list) else str(tmp_path / "d.csv")
+    if isinstance(lines, str):
+        (tmp_path / "d.csv").write_text(lines)
+    with pytest.raises(SystemExit, match=r"d\.(jsonl|csv@train):1: each line needs .* an answer .a string or a finite"):
+        grpo.load_examples(path, "train", False)
 
 
 def test_gsm8k_format_jsonl(tmp_path):
@@ -1785,6 +1906,33 @@ def test_a_local_parquet_csv_or_json_file_loads_through_datasets(tmp_path, monke
     (tmp_path / "bad.json").write_text('{"question": "2+2?", "answer": \n')
     with pytest.raises(SystemExit, match=f"^grpo: error: {tmp_path}/bad.json@train: "):
         grpo.load_data(grpo.parse_args(["--dataset", str(tmp_path / "bad.json")]))
+
+
+@pytest.mark.parametrize("name, text", [("e.csv", ""), ("e.json", ""), ("e.parquet", ""), ("e.jsonl", ""),
+                                        ("head.csv", "prompt,answer\n"), ("list.json", "[]\n"), ("blank.jsonl", "\n\n")])
+def test_a_local_file_with_no_rows_says_so_in_one_line(tmp_path, monkeypatch, name, text):
+    """Empty, a CSV header alone, a JSON []: grpo's own line, as an empty JSONL file gets, not `datasets`' words."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    (tmp_path / name).write_text(text)
+    with pytest.raises(SystemExit, match=f"^grpo: error: {tmp_path / name}: no examples$"):
+        grpo.load_data(grpo.parse_args(["--dataset", str(tmp_path / name)]))
+
+
+def test_an_upper_case_extension_loads_and_a_file_has_one_split(tmp_path, monkeypatch):
+    """DATA.PARQUET is parquet, not JSONL; a local file is the one split `datasets` makes of it, 'train' (the
+    rows of --dataset and of --eval-dataset alike): FILE@train is that, FILE@test (a JSONL file too) is refused in
+    one line, never looked for on the hub."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    want = grpo.load_examples(write(tmp_path / "g.jsonl", [json.dumps(r) for r in GSM8K]), "train", True)
+    datasets.Dataset.from_list(GSM8K).to_parquet(str(tmp_path / "G.PARQUET"))
+    assert grpo.load_data(grpo.parse_args(["--dataset", str(tmp_path / "G.PARQUET")]))[0] == want
+    assert grpo.load_data(grpo.parse_args(["--dataset", f"{tmp_path}/g.jsonl@train"]))[0] == want
+    for name in ("g.jsonl", "G.PARQUET"):
+        with pytest.raises(SystemExit, match=f"^grpo: error: {tmp_path / name}@test: Unknown split \"test\". Should "
+                                             r"be one of \['train'\]\.$"):
+            grpo.load_data(grpo.parse_args(["--dataset", f"{tmp_path / name}@test"]))
 
 
 def test_a_dataset_without_datasets_installed_is_one_line(monkeypatch):
@@ -1844,6 +1992,48 @@ def test_bad_pool_is_a_clear_error_before_training(tiny_dir, tmp_path, case, say
         main(["--dataset", data, "--teacher-pool", pool, "--teacher-per-group", "3", "--model", tiny_dir,
               "--max-new-tokens", "12", "--output-dir", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
+
+
+def test_a_prompt_with_no_room_for_t_tokens_is_refused_at_start_with_its_file_and_line(tiny_dir, tmp_path):
+    """Prompt tokens + T must fit the model's context (config.max_position_embeddings, 4096 for the tiny model):
+    a longer prompt, in --dataset or --eval-dataset, is refused before anything is written, naming its file and line,
+    not met hours in as an allocation error inside generate. The tiny tokenizer is one token a byte."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    template = len(tok(grpo.chat_prompt(tok, "", grpo.Args.system_prompt), add_special_tokens=False).input_ids)
+    long = json.dumps({"prompt": "x" * 4090, "answer": "1"})
+    short = '{"prompt": "q", "answer": "1"}'
+    data = write(tmp_path / "d.jsonl", [short, "", long])
+    evals = write(tmp_path / "e.jsonl", [short, long])
+    argv = ["--model", tiny_dir, "--output-dir", str(tmp_path / "out")] + TINY
+    for extra, where in ((["--dataset", data], f"{data}:3"), (["--eval-dataset", evals], f"{evals}:2")):
+        with pytest.raises(SystemExit, match=f"^grpo: error: {where}: a prompt of {template + 4090} tokens, with "
+                                             f"--max-new-tokens 12, is over the model's context .4096.: shorten it"):
+            main(argv + extra)
+        assert not (tmp_path / "out").exists()
+
+
+def test_only_the_prompts_a_byte_count_leaves_in_doubt_are_tokenized_at_start(loaded, tmp_path, monkeypatch):
+    """longest_prompt: at the context's edge, by hand (prompt tokens + T = the context fits, one more does not); the
+    built-in task's 20,000 prompts are not tokenized at all (none is near 4096 bytes); and with every (the compiled
+    sampler's one shape) the longest of all, as tokenizing each gives."""
+    a, model, tok = loaded
+    template = len(tok(grpo.chat_prompt(tok, "", a.system_prompt), add_special_tokens=False).input_ids)
+    monkeypatch.setattr(model.config, "max_position_embeddings", template + 50 + a.max_new_tokens)
+    data = write(tmp_path / "d.jsonl", [json.dumps({"prompt": "x" * n, "answer": "1"}) for n in (3, 50, 49, 51)])
+    examples = grpo.load_examples(data, "train", False)
+    assert grpo.longest_prompt(model, tok, a, examples[:3], [], every=False) == template + 50
+    assert grpo.longest_prompt(model, tok, a, examples[:3], [], every=True) == template + 50
+    with pytest.raises(SystemExit, match=f"^grpo: error: {data}:4: a prompt of {template + 51} tokens, with "
+                                         f"--max-new-tokens {a.max_new_tokens}, is over the model's context "
+                                         f".{template + 50 + a.max_new_tokens}.: shorten it"):
+        grpo.longest_prompt(model, tok, replace(a, dataset=data), examples, [], every=False)
+    monkeypatch.undo()
+    train, evals = grpo.load_data(replace(a, dataset=""))
+    assert len(train) == 20000 and grpo.longest_prompt(model, tok, a, train, evals, every=False) == 0
+    texts = [grpo.chat_prompt(tok, ex["prompt"], a.system_prompt) for ex in train[:300] + evals]
+    longest = max(len(tok(t, add_special_tokens=False).input_ids) for t in texts)
+    assert grpo.longest_prompt(model, tok, a, train[:300], evals, every=True) == longest
 
 
 def test_a_tokenizer_learnt_from_a_corpus_merges_words_and_splits_numbers_into_digits():
@@ -3025,6 +3215,15 @@ def test_a_run_in_which_nothing_trains_says_so_once(tiny_dir, tmp_path, capsys):
                      "denser reward, a stronger model or easier prompts (--log-samples 1 shows them)"]
     equal = [r["groups/equal_frac"] for r in metrics(str(tmp_path / "out"))]
     assert equal == [1.0] * 4 + [0.5] + [1.0] * 5 + [0.5] + [1.0] * 5
+
+
+def test_a_run_whose_rewards_overflow_their_group_s_std_stops_at_its_first_step(tiny_dir, tmp_path):
+    """A reward of ±3e38 (finite, so score takes it) would make every advantage 0: the run stops at step 1, saying so."""
+    body = "n = 0\ndef r(c, a, **kw):\n    global n\n    n += 1\n    return 3e38 * (-1) ** n\n"
+    with pytest.raises(SystemExit, match=r"^grpo: error: rewards up to 3e\+38 overflow float32 in their group's std"):
+        main(["--model", tiny_dir, "--output-dir", str(tmp_path / "out"), "--max-steps", "2"] + TINY
+             + ["--eval-every", "0"] + reward_file(tmp_path, body)[:2])
+    assert not (tmp_path / "out" / "checkpoint").exists()
 
 
 def test_tiny_py_builds_a_model_from_the_command_line(tmp_path, monkeypatch, capsys):
