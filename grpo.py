@@ -175,13 +175,16 @@ def parse_args(argv=None) -> Args:
     defaults = PRESETS[given.get("algo", Args.algo)]  # a preset is defaults; an explicit flag wins
     saved = {}  # the checkpoint's grpo_args.json, on --resume
     out = given.get("output_dir", Args.output_dir)
-    if given.get("resume") and not given.get("dry_run") and os.environ.get("RANK", "0") == "0":
-        lock_output(out, wait=True)  # before the run's state is read: it may be a live run's, still saving
-    if given.get("resume") == "auto":  # continue the run if it saved one, else start (over one never saved)
-        found = any(os.path.isdir(os.path.join(out, name)) for name in ("checkpoint", "checkpoint.old"))
-        given.update(resume="on" if found else "", overwrite=given.get("overwrite", False) or not found)
+    ckpt = None  # on --resume, what rank 0 reads in the dir (under torchrun, the process group is made here)
+    if given.get("resume") and (given.get("dry_run") or setup_distributed()[0] == 0):
+        if not given.get("dry_run"):
+            lock_output(out, wait=True)  # before the run's state is read: a live run may be saving it
+        ckpt = last_checkpoint(out, resume=given["resume"])
+    if given.get("resume"):  # every rank acts on rank 0's reading: continue (auto: start if no save was made)
+        ckpt = all_gather(ckpt)[0]
+        given.update(resume="on" if ckpt else "", overwrite=given.get("overwrite", False) or not ckpt)
     if given.get("resume"):  # the saved run's flags are the defaults
-        saved = json.loads(pathlib.Path(last_checkpoint(out, resume=True), "grpo_args.json").read_text())
+        saved = json.loads(pathlib.Path(ckpt, "grpo_args.json").read_text())
         defaults = {k: v for k, v in saved.items() if k in Args.__dataclass_fields__ and k != "overwrite"}
         for k, v in given.items():
             was = defaults.get(k, getattr(Args, k))  # a flag newer than the checkpoint: its default
@@ -1101,7 +1104,8 @@ def setup_distributed():
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if not dist.is_initialized():  # (parse_args makes it on --resume)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return dist.get_rank(), dist.get_world_size(), device
 
 def damaged(ckpt: str) -> str | None:  # its first file missing or cut (a copy cut short), by the sizes saved
@@ -1112,12 +1116,13 @@ def damaged(ckpt: str) -> str | None:  # its first file missing or cut (a copy c
     now = {entry.name: entry.stat().st_size for entry in os.scandir(ckpt)}
     return next((name for name in sizes if now.get(name) != sizes[name]), None)
 
-def last_checkpoint(output_dir: str, resume: bool = False) -> str | None:
-    """checkpoint/, else .old/ (whole if a save died between its renames); resume: required, damage named."""
+def last_checkpoint(output_dir: str, resume: str = "") -> str | None:
+    """checkpoint/, else .old/ (whole if a save died between its renames). resume: damage named, and one is
+    required ("on"), or where a save left one, whole or not ("auto": none, the run is started)."""
     paths = [os.path.join(output_dir, "checkpoint"), os.path.join(output_dir, "checkpoint.old")]
     bad = [f"{path}/{damaged(path)}" for path in paths if os.path.isdir(path) and damaged(path)]
     ckpt = next((path for path in paths if os.path.isdir(path) and not damaged(path)), None)
-    if resume and ckpt is None:  # (a run that stopped before its first save leaves none)
+    if resume and ckpt is None and (bad or resume == "on"):  # (a run stopped before its first save: none)
         fail(f"--resume: {bad[0]} is missing or cut, and no other checkpoint is whole: restore it" if bad
              else f"--resume: no checkpoint in {output_dir!r}")
     if resume and bad and ckpt != paths[0]:
