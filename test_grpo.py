@@ -6,6 +6,7 @@ model in-process (gradients, log-probs, sampling); then whole runs of grpo.py, i
 and as a subprocess where a signal, torchrun or a fresh interpreter is what is tested."""
 import argparse
 import copy
+import fcntl
 import itertools
 import json
 import math
@@ -3640,6 +3641,62 @@ def test_two_processes_mixed_pool_refill_sigterm_and_resume(tiny_dir, tmp_path):
     assert [json.loads(line) for line in open(split + "/samples.jsonl")] == samples  # every rank's, as they were
     a, b = trained(straight), trained(split)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+REQUEUED = """import json, os, pathlib, sys
+sys.path.insert(0, {here!r})
+import grpo
+setup, start = grpo.setup_distributed, grpo.start
+def joined():  # a rank joins the process group: a file the test waits on
+    pathlib.Path({notes!r} + "joined" + os.environ.get("RANK", "0")).touch()
+    return setup()
+def started(a):  # the flags a rank starts with
+    pathlib.Path({notes!r} + "flags" + os.environ.get("RANK", "0")).write_text(json.dumps(vars(a)))
+    return start(a)
+grpo.setup_distributed, grpo.start = joined, started
+grpo.main()
+"""
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_requeued_job_that_meets_its_old_one_before_its_first_save_continues_from_that_save(loaded, tiny_dir,
+                                                                                               tmp_path, ranks):
+    """A requeued job (`--resume auto`, its first launch's command) meets its old job still running, before that
+    one's first save: the old job (here, this process) holds the output dir's lock. The new job waits, every rank
+    of it (rank 0 for the lock, the others for what rank 0 then reads), so when the old job saves step 2 and ends,
+    each rank continues from step 2, with that checkpoint's flags, rather than start over and delete it (rank 1,
+    reading the dir alone before the save, once did)."""
+    a, model, tok = loaded
+    out = tmp_path / "out"
+    out.mkdir()
+    old = open(out / ".lock", "a")
+    fcntl.flock(old, fcntl.LOCK_EX)  # the old job, in its step 2
+    (out / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
+    (tmp_path / "requeued.py").write_text(REQUEUED.format(here=HERE, notes=f"{tmp_path}/"))
+    cmd = [sys.executable] if ranks == 1 else TORCHRUN
+    p = background(tmp_path, cmd + [str(tmp_path / "requeued.py"), "--model", tiny_dir, "--algo", "drgrpo",
+                                    "--output-dir", str(out), "--resume", "auto", "--max-steps", "3"]
+                   + TINY + ["--eval-every", "0"])
+    try:
+        wait_for("rank 0's wait", lambda: f"'{out}' is in use by another run: waiting for it to end" in p.err(), p)
+        wait_for("rank 1", lambda: all((tmp_path / f"joined{r}").exists() for r in range(1, ranks)), p)
+        with open(out / "metrics.jsonl", "a") as f:
+            f.write('{"step": 2, "reward/mean": 0.25}\n')
+        rng = {"torch": torch.get_rng_state(), "cuda": None, "python": grpo.random.getstate()}
+        grpo.save(model, tok, replace(a, output_dir=str(out), seed=7),  # (a seed the new command does not give)
+                  {"step": 2, "prompts_drawn": 4, "rng": [rng] * ranks,
+                   "optimizer": grpo.make_optimizer(a, model).state_dict()})
+        old.close()  # the old job ends
+        wait_for("every rank's start", lambda: all((tmp_path / f"flags{r}").exists() for r in range(ranks)), p)
+        flags = [json.loads((tmp_path / f"flags{r}").read_text()) for r in range(ranks)]
+        assert all(f == flags[0] for f in flags), [(f["resume"], f["overwrite"], f["seed"]) for f in flags]
+        assert flags[0]["resume"] == "on" and flags[0]["seed"] == 7
+        assert p.wait(timeout=240) == 0, p.err()[-3000:]
+    finally:
+        old.close()
+        p.kill()
+    assert [r["step"] for r in metrics(str(out))] == [1, 2, 3] and metrics(str(out))[1]["reward/mean"] == 0.25
+    assert json.load(open(out / "checkpoint" / "grpo_args.json"))["step"] == 3
 
 
 # ----------------------------------------------------------------------------- does it learn?
