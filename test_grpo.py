@@ -12,6 +12,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import shutil
 import signal
 import statistics
@@ -3142,6 +3143,71 @@ def test_a_damaged_checkpoint_is_named_in_one_line_and_a_whole_old_one_is_used(t
     assert f"grpo: {ckpt}/adapter_model.safetensors is missing or cut: resuming from {out}/checkpoint.old" \
         in capsys.readouterr().err.splitlines()
     assert [r["step"] for r in metrics(out)] == [1, 2] and grpo.last_checkpoint(out) == ckpt
+
+
+@pytest.fixture(scope="module")
+def saves(tiny_dir, tmp_path_factory):
+    """What a 2-step run leaves (saved at steps 1 and 2), and the flags it ran with: each a state's parts."""
+    where = tmp_path_factory.mktemp("saves")
+    data = write(where / "data.jsonl", [json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)})
+                                        for i in range(4)])
+    argv = ["--model", tiny_dir, "--dataset", data, "--eval-every", "0"] + TINY + ["--output-dir", str(where / "run")]
+    main(argv + ["--max-steps", "1"])
+    shutil.copytree(where / "run" / "checkpoint", where / "step1")
+    main(argv + ["--max-steps", "2", "--resume"])
+    return where, argv[:-2] + ["--max-steps", "3"]
+
+
+MODES = {"new": [], "--resume": ["--resume"], "--resume auto": ["--resume", "auto"], "--overwrite": ["--overwrite"]}
+NONE_SAVED, HELD, NEVER_SAVED = "--resume: no checkpoint in", "holds a run: --resume continues", "holds the metrics"
+CUT = "--resume: .*/checkpoint/adapter_model.safetensors is missing or cut, and no other checkpoint is whole"
+STATES = {  # what each mode does in what a run and its saves can leave: the step it continues from (0: it starts
+    # a new run), or its refusal                                            new         --resume    auto  --overwrite
+    "nothing":                                                              [0,           NONE_SAVED, 0,    0],
+    "metrics (a run stopped before its first save)":                        [NEVER_SAVED, NONE_SAVED, 0,    0],
+    "metrics, checkpoint.tmp (its first save killed)":                      [NEVER_SAVED, NONE_SAVED, 0,    0],
+    "metrics, checkpoint":                                                  [HELD,        2,          2,    0],
+    "metrics, checkpoint, checkpoint.old (a save killed before its end)":   [HELD,        2,          2,    0],
+    "metrics, checkpoint.old (a save killed between its renames)":          [HELD,        1,          1,    0],
+    "metrics, checkpoint cut, checkpoint.old":                              [HELD,        1,          1,    0],
+    "metrics, checkpoint cut":                                              [HELD,        CUT,        CUT,  0]}
+
+
+@pytest.mark.parametrize("state, mode, want", [(state, mode, want) for state, wants in STATES.items()
+                                               for mode, want in zip(MODES, wants)])
+def test_every_resume_mode_in_every_state_a_save_can_leave(saves, tmp_path, state, mode, want):
+    """Each mode's decision, made as a run starts (parse_args and start, no step): a run that continues reads the
+    newest whole checkpoint and deletes nothing; a new run deletes what was there; a refusal leaves it all."""
+    where, argv = saves
+    out = tmp_path / "out"
+    for part in state.split(" (")[0].split(", "):  # step 2's checkpoint, step 1's as .old/
+        if part == "metrics":
+            out.mkdir()
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                shutil.copy(where / "run" / name, out)
+        elif part == "checkpoint.tmp":  # a save killed before it wrote its last file
+            shutil.copytree(where / "run" / "checkpoint", out / part, ignore=shutil.ignore_patterns("*.json"))
+        elif part != "nothing":
+            shutil.copytree(where / ("step1" if part == "checkpoint.old" else "run/checkpoint"), out / part.split()[0])
+        if part == "checkpoint cut":
+            os.truncate(out / "checkpoint" / "adapter_model.safetensors", 100)
+    listing = lambda: sorted(set(os.listdir(out)) - {".lock"}) if out.exists() else []  # noqa: E731
+    before = listing()
+    try:
+        run = grpo.start(grpo.parse_args(argv + ["--output-dir", str(out)] + MODES[mode]))
+    except SystemExit as e:
+        assert isinstance(want, str) and re.search(want, str(e)), str(e)
+        assert listing() == before
+        assert not out.exists() or (out / "metrics.jsonl").read_text() == (where / "run" / "metrics.jsonl").read_text()
+        return
+    for f in (run.bar, run.log, run.samples):
+        f.close()
+    assert run.start == want
+    if want:  # continued from the checkpoint of that step, and nothing deleted
+        assert listing() == before and [r["step"] for r in metrics(str(out))] == list(range(1, want + 1))
+    else:  # a new run: nothing of the old one is left
+        assert not [name for name in listing() if name.startswith("checkpoint")]
+        assert (out / "metrics.jsonl").read_text() == ""
 
 
 def test_resume_refuses_another_base_model_and_names_a_changed_file(tiny_dir, tmp_path, capsys):
