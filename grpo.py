@@ -1192,11 +1192,11 @@ def sample_rows(groups: list[dict], step: int) -> list[dict]:
              "correct": is_correct(text, g["answer"])}
             for g in groups for i, (text, teacher) in enumerate(zip(g["texts"], g["is_teacher"]))]
 
-STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGQUIT)  # USR1: time nearly up
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
 
 def on_signal(run):
-    """A signal of STOPS: rank 0 outside an update stops at once (KeyboardInterrupt); else the step ends, is
-    saved and the run stops; later ones are only noted: nothing breaks a save. Other ranks follow."""
+    """A signal of STOPS (USR1, USR2: time nearly up): rank 0 outside an update stops at once; else the step
+    ends, is saved and the run stops; later ones are only noted: nothing breaks a save. Other ranks follow."""
     def handler(sig, frame):
         if run.stop:
             return

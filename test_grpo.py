@@ -3391,12 +3391,13 @@ def test_a_signal_while_a_step_is_saved_stops_after_that_step(tiny_dir, tmp_path
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("grpo: stopped at step 1: --resume")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGUSR1, signal.SIGQUIT])
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT])
 def test_signals_inside_a_save_do_not_break_it_and_others_stop_as_sigterm_does(tiny_dir, tmp_path, monkeypatch,
                                                                                 capsys, sig):
-    """SIGHUP (the terminal closed), SIGUSR1 (`sbatch --signal=USR1@T`: the time limit is near) or SIGQUIT in a
-    rollout stops the run as SIGTERM does: the last completed step is saved at once. A Ctrl-C and a SIGTERM that
-    land inside that save are only noted: it completes, and the run exits 128 + the first signal."""
+    """SIGHUP (the terminal closed), SIGUSR1 or SIGUSR2 (`sbatch --signal=USR1@T`, submitit's USR2: the time limit
+    is near) or SIGQUIT in a rollout stops the run as SIGTERM does: the last completed step is saved at once. A
+    Ctrl-C and a SIGTERM that land inside that save are only noted: it completes, and the run exits 128 + the first
+    signal."""
     out = str(tmp_path / "out")
     rollout, save = grpo.rollout, grpo.save
     calls = []
