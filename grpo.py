@@ -175,10 +175,11 @@ def parse_args(argv=None) -> Args:
     defaults = PRESETS[given.get("algo", Args.algo)]  # a preset is defaults; an explicit flag wins
     saved = {}  # the checkpoint's grpo_args.json, on --resume
     out = given.get("output_dir", Args.output_dir)
-    ckpt = None  # on --resume, what rank 0 reads in the dir (under torchrun, the process group is made here)
-    if given.get("resume") and (given.get("dry_run") or setup_distributed()[0] == 0):
-        if not given.get("dry_run"):
-            lock_output(out, wait=True)  # before the run's state is read: a live run may be saving it
+    rank = setup_distributed()[0]  # (under torchrun, the process group is made here: rank 0 reads the dir)
+    if rank == 0 and not given.get("dry_run"):  # one run per dir, from before anything in it is read
+        lock_output(out, wait=bool(given.get("resume")))  # --resume waits: a live run may be saving
+    ckpt = None  # on --resume, the checkpoint rank 0 finds
+    if rank == 0 and given.get("resume"):
         ckpt = last_checkpoint(out, resume=given["resume"])
     if given.get("resume"):  # every rank acts on rank 0's reading: continue (auto: start if no save was made)
         ckpt = all_gather(ckpt)[0]
@@ -1104,7 +1105,7 @@ def setup_distributed():
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    if not dist.is_initialized():  # (parse_args makes it on --resume)
+    if not dist.is_initialized():  # (parse_args makes it)
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return dist.get_rank(), dist.get_world_size(), device
 
@@ -1214,7 +1215,7 @@ def lock_output(out: str, wait: bool = False):
     run still in it, as a requeued job meets its old one saving; else refused."""
     path = os.path.join(os.path.abspath(out), ".lock")
     try:
-        f = LOCKS.get(path) or open(path, "a")  # held since parse_args or start: locked again, a no-op
+        f = LOCKS.get(path) or open(path, "a")  # held since parse_args: locked again, a no-op
     except OSError:  # no dir yet, or not one we can write (check_output_dir says so)
         return None
     try:
@@ -1250,9 +1251,7 @@ def start(a: Args):
     rank, world, device = setup_distributed()
     if a.prompts_per_step % world:
         fail(f"--prompts-per-step {a.prompts_per_step} must divide over {world} ranks (whole groups a rank)")
-    if rank == 0:
-        lock_output(a.output_dir)  # before anything of the run in it is read (on --resume, since parse_args)
-    check_output_dir(a)
+    check_output_dir(a)  # (rank 0 holds the dir's lock since parse_args)
     ckpt = last_checkpoint(a.output_dir)
     state = {"step": 0, "prompts_drawn": 0}
     if a.resume:
