@@ -1118,12 +1118,11 @@ def damaged(ckpt: str) -> str | None:  # its first file missing or cut (a copy c
     return next((name for name in sizes if now.get(name) != sizes[name]), None)
 
 def last_checkpoint(output_dir: str, resume: str = "") -> str | None:
-    """checkpoint/, else .old/ (whole if a save died between its renames). resume: damage named, and one is
-    required ("on"), or where a save left one, whole or not ("auto": none, the run is started)."""
+    """checkpoint/, else .old/ (whole if a save died between its renames); resume: required, damage named."""
     paths = [os.path.join(output_dir, "checkpoint"), os.path.join(output_dir, "checkpoint.old")]
     bad = [f"{path}/{damaged(path)}" for path in paths if os.path.isdir(path) and damaged(path)]
     ckpt = next((path for path in paths if os.path.isdir(path) and not damaged(path)), None)
-    if resume and ckpt is None and (bad or resume == "on"):  # (a run stopped before its first save: none)
+    if resume and ckpt is None and (bad or resume == "on"):  # auto: none, where no save was made
         fail(f"--resume: {bad[0]} is missing or cut, and no other checkpoint is whole: restore it" if bad
              else f"--resume: no checkpoint in {output_dir!r}")
     if resume and bad and ckpt != paths[0]:
@@ -1160,13 +1159,15 @@ def save(model, tok, a: Args, state: dict):
     try:
         model.save_pretrained(final + ".tmp")
         tok.save_pretrained(final + ".tmp")
-        torch.save(state, os.path.join(final + ".tmp", "trainer_state.pt"))
+        with open(os.path.join(final + ".tmp", "trainer_state.pt"), "wb") as f:  # (to a path, it hides errno)
+            torch.save(state, f)
         sizes = {e.name: e.stat().st_size for e in os.scandir(final + ".tmp") if e.name != "README.md"}
         files = {name: fingerprint(split_path(getattr(a, name))[0]) for name in PATHS}
         with open(os.path.join(final + ".tmp", "grpo_args.json"), "w") as f:
             json.dump({**vars(a), "step": state["step"], "sizes": sizes, "files": files}, f, indent=1)
     except Exception as e:  # a full disk, say (torch.save's a RuntimeError, safetensors' a SafetensorError)
         shutil.rmtree(final + ".tmp", ignore_errors=True)
+        e = next((x for x in (e, e.__context__) if isinstance(x, OSError)), e)  # errno 28, under torch's
         fail(f"saving step {state['step']} failed ({' '.join(str(e).split())}); last checkpoint: "
              f"{last_checkpoint(a.output_dir) or 'none'}")
     if os.path.isdir(final):
@@ -1415,8 +1416,15 @@ def save_last_step(run, a: Args, e: BaseException):
     """Outside an update the weights are the last completed step's: a signal there, or an error (a reward, a
     record, the sampler), saves that step, and an error then stops the run, saying so. An error inside an
     update, or in its step's evaluation, log or save, leaves the last checkpoint; so do diverged logits."""
+    if isinstance(e, KeyboardInterrupt) and not run.stop:  # no signal raised it (a reward?): an error, exit 1
+        e = RuntimeError("KeyboardInterrupt, and no signal came").with_traceback(e.__traceback__)
     if run.rank == 0 and not run.busy and run.done["step"] > run.saved and "logits are not" not in str(e):
-        save(run.model, run.tok, a, {**run.done, "optimizer": run.opt.state_dict()})
+        try:
+            save(run.model, run.tok, a, {**run.done, "optimizer": run.opt.state_dict()})
+        except SystemExit as failed:  # it failed too (a full disk, say): after the error that stopped the run
+            if not isinstance(e, (SystemExit, KeyboardInterrupt)):  # (a traceback)
+                sys.excepthook(type(e), e, e.__traceback__)
+            raise SystemExit(f"{e.code}\n{failed.code}" if isinstance(e, SystemExit) else failed.code)
         run.saved = run.done["step"]
         if isinstance(e, SystemExit) and isinstance(e.code, str):  # one line: the error, and what was saved
             e = SystemExit(f"{e.code} (step {run.saved} saved: --resume continues)")

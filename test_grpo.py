@@ -6,6 +6,7 @@ model in-process (gradients, log-probs, sampling); then whole runs of grpo.py, i
 and as a subprocess where a signal, torchrun or a fresh interpreter is what is tested."""
 import argparse
 import copy
+import errno
 import fcntl
 import itertools
 import json
@@ -2396,26 +2397,37 @@ def test_a_save_killed_at_any_point_leaves_a_whole_checkpoint(loaded, tmp_path, 
     assert fail_at > 5  # every operation of the save was failed once
 
 
+def full_disk(obj, f):
+    """What torch.save raises writing to a file on a full disk (a full tmpfs, torch 2.13): its own error, over the
+    OSError of the write (to a path, only its own: 'basic_ios::clear: iostream error', no errno)."""
+    try:
+        f.write(bytes(64))
+        raise OSError(errno.ENOSPC, "No space left on device")
+    except OSError:
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+
 def test_a_failed_save_removes_its_partial_copy_and_names_the_last_checkpoint(loaded, tmp_path, monkeypatch):
-    """A full disk as torch.save meets it (a RuntimeError) and as the adapter's write does (safetensors' own
-    error, once a 24-line traceback): one line, the partial copy removed, the last checkpoint named and kept."""
+    """A full disk as torch.save meets it (its RuntimeError, over the OSError: errno 28 is what is said), as a
+    file's writes meet it (/dev/full) and as the adapter's write does (safetensors' own error, once a 24-line
+    traceback): one line, the partial copy removed, the last checkpoint named and kept."""
     from safetensors import SafetensorError
     a, model, tok = loaded
     a = replace(a, output_dir=str(tmp_path))
     grpo.save(model, tok, a, {"step": 1, "prompts_drawn": 0, "rng": [], "optimizer": {}})
 
-    def full(*args, **kw):  # what torch.save raises on a full disk
-        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
+    def state_on_dev_full(path, *args, **kw):  # trainer_state.pt's writes on a full disk, as torch makes them
+        return open("/dev/full" if str(path).endswith("trainer_state.pt") else path, *args, **kw)
     def adapter_full(path, **kw):  # what safetensors raises there, the file begun
         os.makedirs(path, exist_ok=True)
         (pathlib.Path(path) / "adapter_model.safetensors").write_bytes(bytes(64))
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
-    for target, name, fn, says in ((grpo.torch, "save", full, "unexpected pos"),
-                                   (model, "save_pretrained", adapter_full, "No space left on device")):
+    for target, name, fn in ((grpo.torch, "save", full_disk), (grpo, "open", state_on_dev_full),
+                             (model, "save_pretrained", adapter_full)):
         with monkeypatch.context() as m:
-            m.setattr(target, name, fn)
-            with pytest.raises(SystemExit, match=f"^grpo: error: saving step 2 failed .*{says}.*; last checkpoint: "
-                                                 f"{tmp_path}/checkpoint$"):
+            m.setattr(target, name, fn, raising=False)  # (grpo.open: grpo's, not the builtin)
+            with pytest.raises(SystemExit, match=f"^grpo: error: saving step 2 failed .*No space left on device.*; "
+                                                 f"last checkpoint: {tmp_path}/checkpoint$"):
                 grpo.save(model, tok, a, {"step": 2, "prompts_drawn": 0, "rng": [], "optimizer": {}})
         assert not (tmp_path / "checkpoint.tmp").exists()
         assert json.load(open(tmp_path / "checkpoint" / "grpo_args.json"))["step"] == 1
@@ -2939,6 +2951,52 @@ def test_an_error_outside_an_update_saves_the_last_step_and_says_so(tiny_dir, tm
     assert capsys.readouterr().err.splitlines()[-1] == f"grpo: step 2 saved in {out}2/checkpoint: --resume " \
                                                        f"continues; the error:"
     assert json.load(open(out + "2/checkpoint/grpo_args.json"))["step"] == 2
+
+
+def test_a_keyboard_interrupt_that_no_signal_raised_is_an_error(tiny_dir, tmp_path):
+    """A reward that raises KeyboardInterrupt at step 2 (a bug, or a library's way out), no signal sent: step 1 is
+    saved, as for any error outside an update, and the run ends as an error (exit 1, with the traceback), not as a
+    finished run (exit 0, "step 1 saved in ...") nor as one stopped by Ctrl-C (130)."""
+    (tmp_path / "rw.py").write_text("calls = []\ndef r(c, a, **kw):\n    calls.append(1)\n"
+                                    "    if len(calls) == 2 + 8 + 1:  # the start-up check, step 1\n"
+                                    "        raise KeyboardInterrupt\n    return len(c) % 3\n")
+    out = str(tmp_path / "out")
+    p = cli(["--model", tiny_dir, "--output-dir", out, "--max-steps", "3"] + TINY
+            + ["--eval-every", "0", "--reward-fn", f"{tmp_path}/rw.py:r"], check=False)
+    assert p.returncode == 1 and p.stdout == "", p.stdout + p.stderr[-3000:]
+    err = p.stderr.strip().splitlines()
+    assert f"grpo: step 1 saved in {out}/checkpoint: --resume continues; the error:" in err
+    assert "KeyboardInterrupt" in err and err[-1].startswith("RuntimeError: KeyboardInterrupt"), err[-20:]
+    assert json.load(open(out + "/checkpoint/grpo_args.json"))["step"] == 1
+
+
+def test_a_save_that_fails_after_an_error_is_said_after_that_error(tiny_dir, tmp_path, monkeypatch, capsys):
+    """The disk fills up: a reward's write fails at step 2, and so does the save of step 1 that this error calls
+    for. The reward's error is said, then the failed save's line (not the save's alone); the same for an error
+    that is a traceback (the sampler out of memory)."""
+    (tmp_path / "rw.py").write_text("calls = []\ndef r(c, a, **kw):\n    calls.append(1)\n"
+                                    "    if len(calls) == 2 + 8 + 1:  # the start-up check, step 1\n"
+                                    "        raise OSError(28, 'No space left on device')\n    return len(c) % 3\n")
+    out = str(tmp_path / "out")
+    argv = ["--model", tiny_dir, "--max-steps", "3"] + TINY + ["--eval-every", "0"]
+    monkeypatch.setattr(grpo.torch, "save", full_disk)
+    full = f"saving step 1 failed ([Errno 28] No space left on device); last checkpoint: none"
+    with pytest.raises(SystemExit) as stop:
+        main(argv + ["--output-dir", out, "--reward-fn", f"{tmp_path}/rw.py:r"])
+    assert str(stop.value).splitlines() == ["grpo: error: reward 'r' raised OSError: [Errno 28] No space left on "
+                                            "device", f"grpo: error: {full}"]
+    rollout = grpo.rollout
+    def out_of_memory_at_step_2(*args, **kw):
+        if len(metrics(out + "2")) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return rollout(*args, **kw)
+    monkeypatch.setattr(grpo, "rollout", out_of_memory_at_step_2)
+    capsys.readouterr()
+    with pytest.raises(SystemExit, match=rf"^grpo: error: {re.escape(full)}$"):
+        main(argv + ["--output-dir", out + "2"])
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "torch.OutOfMemoryError: CUDA out of memory" in err.splitlines()
+    assert not os.path.exists(out + "/checkpoint") and not os.path.exists(out + "2/checkpoint")
 
 
 def test_a_diverging_learning_rate_ends_in_one_line(tiny_dir, tmp_path):
