@@ -1417,7 +1417,7 @@ def save_last_step(run, a: Args, e: BaseException):
     record, the sampler), saves that step, and an error then stops the run, saying so. An error inside an
     update, or in its step's evaluation, log or save, leaves the last checkpoint; so do diverged logits."""
     if isinstance(e, KeyboardInterrupt) and not run.stop:  # no signal raised it (a reward?): an error, exit 1
-        e = RuntimeError("KeyboardInterrupt, and no signal came").with_traceback(e.__traceback__)
+        e = RuntimeError("the KeyboardInterrupt above came from no signal: an error")
     if run.rank == 0 and not run.busy and run.done["step"] > run.saved and "logits are not" not in str(e):
         try:
             save(run.model, run.tok, a, {**run.done, "optimizer": run.opt.state_dict()})
