@@ -2980,7 +2980,7 @@ def test_a_save_that_fails_after_an_error_is_said_after_that_error(tiny_dir, tmp
     out = str(tmp_path / "out")
     argv = ["--model", tiny_dir, "--max-steps", "3"] + TINY + ["--eval-every", "0"]
     monkeypatch.setattr(grpo.torch, "save", full_disk)
-    full = f"saving step 1 failed ([Errno 28] No space left on device); last checkpoint: none"
+    full = "saving step 1 failed ([Errno 28] No space left on device); last checkpoint: none"
     with pytest.raises(SystemExit) as stop:
         main(argv + ["--output-dir", out, "--reward-fn", f"{tmp_path}/rw.py:r"])
     assert str(stop.value).splitlines() == ["grpo: error: reward 'r' raised OSError: [Errno 28] No space left on "
