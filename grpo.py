@@ -176,7 +176,7 @@ def parse_args(argv=None) -> Args:
     saved = {}  # the checkpoint's grpo_args.json, on --resume
     out = given.get("output_dir", Args.output_dir)
     rank = setup_distributed()[0]  # (under torchrun, the process group is made here: rank 0 reads the dir)
-    if rank == 0 and not given.get("dry_run"):  # one run per dir, from before anything in it is read
+    if rank == 0 and out and not given.get("dry_run"):  # one run per dir, from before anything in it is read
         lock_output(out, wait=bool(given.get("resume")))  # --resume waits: a live run may be saving
     ckpt = None  # on --resume, the checkpoint rank 0 finds
     if rank == 0 and given.get("resume"):

@@ -3531,6 +3531,15 @@ def test_an_output_dir_that_cannot_be_made_or_that_a_run_deletes_is_refused_firs
             main(["--model", tiny_dir, "--output-dir", str(out)] + TINY)
 
 
+def test_an_empty_output_dir_is_refused_without_locking_the_working_directory(tmp_path, monkeypatch):
+    """parse_args takes the output dir's lock before it checks the flags: '' (the working directory, to abspath)
+    is refused before any .lock is made there."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match="--output-dir must name a directory"):
+        grpo.parse_args(["--output-dir", ""])
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_signal_before_the_first_step_ends_saves_nothing_and_says_so(tiny_dir, tmp_path):
     out = str(tmp_path / "out")
     (tmp_path / "hold").touch()  # step 1's judge is held
