@@ -179,13 +179,17 @@ def parse_args(argv=None) -> Args:
     defaults = PRESETS[given.get("algo", Args.algo)]  # a preset is defaults; an explicit flag wins
     saved = {}  # the checkpoint's grpo_args.json, on --resume
     out = given.get("output_dir", Args.output_dir)
-    if given.get("resume") and not given.get("dry_run") and os.environ.get("RANK", "0") == "0":
-        lock_output(out, wait=True)  # before the run's state is read: it may be a live run's, still saving
-    if given.get("resume") == "auto":  # continue the run if it saved one, else start (over one never saved)
-        found = any(os.path.isdir(os.path.join(out, name)) for name in ("checkpoint", "checkpoint.old"))
-        given.update(resume="on" if found else "", overwrite=given.get("overwrite", False) or not found)
+    rank = setup_distributed()[0]  # (under torchrun, the process group is made here: rank 0 reads the dir)
+    if rank == 0 and out and not given.get("dry_run"):  # one run per dir, from before anything in it is read
+        lock_output(out, wait=bool(given.get("resume")))  # --resume waits: a live run may be saving
+    ckpt = None  # on --resume, the checkpoint rank 0 finds
+    if rank == 0 and given.get("resume"):
+        ckpt = last_checkpoint(out, resume=given["resume"])
+    if given.get("resume"):  # every rank acts on rank 0's reading: continue (auto: start if no save was made)
+        ckpt = all_gather(ckpt)[0]
+        given.update(resume="on" if ckpt else "", overwrite=given.get("overwrite", False) or not ckpt)
     if given.get("resume"):  # the saved run's flags are the defaults
-        saved = json.loads(pathlib.Path(last_checkpoint(out, resume=True), "grpo_args.json").read_text())
+        saved = json.loads(pathlib.Path(ckpt, "grpo_args.json").read_text())
         defaults = {k: v for k, v in saved.items() if k in Args.__dataclass_fields__ and k != "overwrite"}
         for k, v in given.items():
             was = defaults.get(k, getattr(Args, k))  # a flag newer than the checkpoint: its default
@@ -1154,7 +1158,8 @@ def setup_distributed():
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if not dist.is_initialized():  # (parse_args makes it)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return dist.get_rank(), dist.get_world_size(), device
 
 def damaged(ckpt: str) -> str | None:  # its first file missing or cut (a copy cut short), by the sizes saved
@@ -1165,12 +1170,12 @@ def damaged(ckpt: str) -> str | None:  # its first file missing or cut (a copy c
     now = {entry.name: entry.stat().st_size for entry in os.scandir(ckpt)}
     return next((name for name in sizes if now.get(name) != sizes[name]), None)
 
-def last_checkpoint(output_dir: str, resume: bool = False) -> str | None:
+def last_checkpoint(output_dir: str, resume: str = "") -> str | None:
     """checkpoint/, else .old/ (whole if a save died between its renames); resume: required, damage named."""
     paths = [os.path.join(output_dir, "checkpoint"), os.path.join(output_dir, "checkpoint.old")]
     bad = [f"{path}/{damaged(path)}" for path in paths if os.path.isdir(path) and damaged(path)]
     ckpt = next((path for path in paths if os.path.isdir(path) and not damaged(path)), None)
-    if resume and ckpt is None:  # (a run that stopped before its first save leaves none)
+    if resume and ckpt is None and (bad or resume == "on"):  # auto: none, where no save was made
         fail(f"--resume: {bad[0]} is missing or cut, and no other checkpoint is whole: restore it" if bad
              else f"--resume: no checkpoint in {output_dir!r}")
     if resume and bad and ckpt != paths[0]:
@@ -1207,13 +1212,15 @@ def save(model, tok, a: Args, state: dict):
     try:
         model.save_pretrained(final + ".tmp")
         tok.save_pretrained(final + ".tmp")
-        torch.save(state, os.path.join(final + ".tmp", "trainer_state.pt"))
+        with open(os.path.join(final + ".tmp", "trainer_state.pt"), "wb") as f:  # (to a path, it hides errno)
+            torch.save(state, f)
         sizes = {e.name: e.stat().st_size for e in os.scandir(final + ".tmp") if e.name != "README.md"}
         files = {name: fingerprint(split_path(getattr(a, name))[0]) for name in PATHS}
         with open(os.path.join(final + ".tmp", "grpo_args.json"), "w") as f:
             json.dump({**vars(a), "step": state["step"], "sizes": sizes, "files": files}, f, indent=1)
     except Exception as e:  # a full disk, say (torch.save's a RuntimeError, safetensors' a SafetensorError)
         shutil.rmtree(final + ".tmp", ignore_errors=True)
+        e = next((x for x in (e, e.__context__) if isinstance(x, OSError)), e)  # errno 28, under torch's
         fail(f"saving step {state['step']} failed ({' '.join(str(e).split())}); last checkpoint: "
              f"{last_checkpoint(a.output_dir) or 'none'}")
     if os.path.isdir(final):
@@ -1240,11 +1247,11 @@ def sample_rows(groups: list[dict], step: int) -> list[dict]:
              "correct": is_correct(text, g["answer"])}
             for g in groups for i, (text, teacher) in enumerate(zip(g["texts"], g["is_teacher"]))]
 
-STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGQUIT)  # USR1: time nearly up
+STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
 
 def on_signal(run):
-    """A signal of STOPS: rank 0 outside an update stops at once (KeyboardInterrupt); else the step ends, is
-    saved and the run stops; later ones are only noted: nothing breaks a save. Other ranks follow."""
+    """A signal of STOPS (USR1, USR2: time nearly up): rank 0 outside an update stops at once; else the step
+    ends, is saved and the run stops; later ones are only noted: nothing breaks a save. Other ranks follow."""
     def handler(sig, frame):
         if run.stop:
             return
@@ -1262,7 +1269,7 @@ def lock_output(out: str, wait: bool = False):
     run still in it, as a requeued job meets its old one saving; else refused."""
     path = os.path.join(os.path.abspath(out), ".lock")
     try:
-        f = LOCKS.get(path) or open(path, "a")  # held since parse_args or start: locked again, a no-op
+        f = LOCKS.get(path) or open(path, "a")  # held since parse_args: locked again, a no-op
     except OSError:  # no dir yet, or not one we can write (check_output_dir says so)
         return None
     try:
@@ -1298,9 +1305,7 @@ def start(a: Args):
     rank, world, device = setup_distributed()
     if a.prompts_per_step % world:
         fail(f"--prompts-per-step {a.prompts_per_step} must divide over {world} ranks (whole groups a rank)")
-    if rank == 0:
-        lock_output(a.output_dir)  # before anything of the run in it is read (on --resume, since parse_args)
-    check_output_dir(a)
+    check_output_dir(a)  # (rank 0 holds the dir's lock since parse_args)
     ckpt = last_checkpoint(a.output_dir)
     state = {"step": 0, "prompts_drawn": 0}
     if a.resume:
@@ -1462,8 +1467,15 @@ def save_last_step(run, a: Args, e: BaseException):
     """Outside an update the weights are the last completed step's: a signal there, or an error (a reward, a
     record, the sampler), saves that step, and an error then stops the run, saying so. An error inside an
     update, or in its step's evaluation, log or save, leaves the last checkpoint; so do diverged logits."""
+    if isinstance(e, KeyboardInterrupt) and not run.stop:  # no signal raised it (a reward?): an error, exit 1
+        e = RuntimeError("the KeyboardInterrupt above came from no signal: an error")
     if run.rank == 0 and not run.busy and run.done["step"] > run.saved and "logits are not" not in str(e):
-        save(run.model, run.tok, a, {**run.done, "optimizer": run.opt.state_dict()})
+        try:
+            save(run.model, run.tok, a, {**run.done, "optimizer": run.opt.state_dict()})
+        except SystemExit as failed:  # it failed too (a full disk, say): after the error that stopped the run
+            if not isinstance(e, (SystemExit, KeyboardInterrupt)):  # (a traceback)
+                sys.excepthook(type(e), e, e.__traceback__)
+            raise SystemExit(f"{e.code}\n{failed.code}" if isinstance(e, SystemExit) else failed.code)
         run.saved = run.done["step"]
         if isinstance(e, SystemExit) and isinstance(e.code, str):  # one line: the error, and what was saved
             e = SystemExit(f"{e.code} (step {run.saved} saved: --resume continues)")

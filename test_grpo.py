@@ -7,11 +7,14 @@ and as a subprocess where a signal, torchrun or a fresh interpreter is what is t
 import argparse
 import copy
 import decimal
+import errno
+import fcntl
 import itertools
 import json
 import math
 import os
 import pathlib
+import re
 import shutil
 import signal
 import statistics
@@ -2748,26 +2751,37 @@ def test_a_save_killed_at_any_point_leaves_a_whole_checkpoint(loaded, tmp_path, 
     assert fail_at > 5  # every operation of the save was failed once
 
 
+def full_disk(obj, f):
+    """What torch.save raises writing to a file on a full disk (a full tmpfs, torch 2.13): its own error, over the
+    OSError of the write (to a path, only its own: 'basic_ios::clear: iostream error', no errno)."""
+    try:
+        f.write(bytes(64))
+        raise OSError(errno.ENOSPC, "No space left on device")
+    except OSError:
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+
 def test_a_failed_save_removes_its_partial_copy_and_names_the_last_checkpoint(loaded, tmp_path, monkeypatch):
-    """A full disk as torch.save meets it (a RuntimeError) and as the adapter's write does (safetensors' own
-    error, once a 24-line traceback): one line, the partial copy removed, the last checkpoint named and kept."""
+    """A full disk as torch.save meets it (its RuntimeError, over the OSError: errno 28 is what is said), as a
+    file's writes meet it (/dev/full) and as the adapter's write does (safetensors' own error, once a 24-line
+    traceback): one line, the partial copy removed, the last checkpoint named and kept."""
     from safetensors import SafetensorError
     a, model, tok = loaded
     a = replace(a, output_dir=str(tmp_path))
     grpo.save(model, tok, a, {"step": 1, "prompts_drawn": 0, "rng": [], "optimizer": {}})
 
-    def full(*args, **kw):  # what torch.save raises on a full disk
-        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 0")
+    def state_on_dev_full(path, *args, **kw):  # trainer_state.pt's writes on a full disk, as torch makes them
+        return open("/dev/full" if str(path).endswith("trainer_state.pt") else path, *args, **kw)
     def adapter_full(path, **kw):  # what safetensors raises there, the file begun
         os.makedirs(path, exist_ok=True)
         (pathlib.Path(path) / "adapter_model.safetensors").write_bytes(bytes(64))
         raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
-    for target, name, fn, says in ((grpo.torch, "save", full, "unexpected pos"),
-                                   (model, "save_pretrained", adapter_full, "No space left on device")):
+    for target, name, fn in ((grpo.torch, "save", full_disk), (grpo, "open", state_on_dev_full),
+                             (model, "save_pretrained", adapter_full)):
         with monkeypatch.context() as m:
-            m.setattr(target, name, fn)
-            with pytest.raises(SystemExit, match=f"^grpo: error: saving step 2 failed .*{says}.*; last checkpoint: "
-                                                 f"{tmp_path}/checkpoint$"):
+            m.setattr(target, name, fn, raising=False)  # (grpo.open: grpo's, not the builtin)
+            with pytest.raises(SystemExit, match=f"^grpo: error: saving step 2 failed .*No space left on device.*; "
+                                                 f"last checkpoint: {tmp_path}/checkpoint$"):
                 grpo.save(model, tok, a, {"step": 2, "prompts_drawn": 0, "rng": [], "optimizer": {}})
         assert not (tmp_path / "checkpoint.tmp").exists()
         assert json.load(open(tmp_path / "checkpoint" / "grpo_args.json"))["step"] == 1
@@ -3322,6 +3336,52 @@ def test_an_error_outside_an_update_saves_the_last_step_and_says_so(tiny_dir, tm
     assert json.load(open(out + "2/checkpoint/grpo_args.json"))["step"] == 2
 
 
+def test_a_keyboard_interrupt_that_no_signal_raised_is_an_error(tiny_dir, tmp_path):
+    """A reward that raises KeyboardInterrupt at step 2 (a bug, or a library's way out), no signal sent: step 1 is
+    saved, as for any error outside an update, and the run ends as an error (exit 1, with the traceback), not as a
+    finished run (exit 0, "step 1 saved in ...") nor as one stopped by Ctrl-C (130)."""
+    (tmp_path / "rw.py").write_text("calls = []\ndef r(c, a, **kw):\n    calls.append(1)\n"
+                                    "    if len(calls) == 2 + 8 + 1:  # the start-up check, step 1\n"
+                                    "        raise KeyboardInterrupt\n    return len(c) % 3\n")
+    out = str(tmp_path / "out")
+    p = cli(["--model", tiny_dir, "--output-dir", out, "--max-steps", "3"] + TINY
+            + ["--eval-every", "0", "--reward-fn", f"{tmp_path}/rw.py:r"], check=False)
+    assert p.returncode == 1 and p.stdout == "", p.stdout + p.stderr[-3000:]
+    err = p.stderr.strip().splitlines()
+    assert f"grpo: step 1 saved in {out}/checkpoint: --resume continues; the error:" in err
+    assert "KeyboardInterrupt" in err and err[-1] == "RuntimeError: the KeyboardInterrupt above came from no signal: an error"
+    assert json.load(open(out + "/checkpoint/grpo_args.json"))["step"] == 1
+
+
+def test_a_save_that_fails_after_an_error_is_said_after_that_error(tiny_dir, tmp_path, monkeypatch, capsys):
+    """The disk fills up: a reward's write fails at step 2, and so does the save of step 1 that this error calls
+    for. The reward's error is said, then the failed save's line (not the save's alone); the same for an error
+    that is a traceback (the sampler out of memory)."""
+    (tmp_path / "rw.py").write_text("calls = []\ndef r(c, a, **kw):\n    calls.append(1)\n"
+                                    "    if len(calls) == 2 + 8 + 1:  # the start-up check, step 1\n"
+                                    "        raise OSError(28, 'No space left on device')\n    return len(c) % 3\n")
+    out = str(tmp_path / "out")
+    argv = ["--model", tiny_dir, "--max-steps", "3"] + TINY + ["--eval-every", "0"]
+    monkeypatch.setattr(grpo.torch, "save", full_disk)
+    full = "saving step 1 failed ([Errno 28] No space left on device); last checkpoint: none"
+    with pytest.raises(SystemExit) as stop:
+        main(argv + ["--output-dir", out, "--reward-fn", f"{tmp_path}/rw.py:r"])
+    assert str(stop.value).splitlines() == ["grpo: error: reward 'r' raised OSError: [Errno 28] No space left on "
+                                            "device", f"grpo: error: {full}"]
+    rollout = grpo.rollout
+    def out_of_memory_at_step_2(*args, **kw):
+        if len(metrics(out + "2")) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return rollout(*args, **kw)
+    monkeypatch.setattr(grpo, "rollout", out_of_memory_at_step_2)
+    capsys.readouterr()
+    with pytest.raises(SystemExit, match=rf"^grpo: error: {re.escape(full)}$"):
+        main(argv + ["--output-dir", out + "2"])
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "torch.OutOfMemoryError: CUDA out of memory" in err.splitlines()
+    assert not os.path.exists(out + "/checkpoint") and not os.path.exists(out + "2/checkpoint")
+
+
 def test_a_diverging_learning_rate_ends_in_one_line(tiny_dir, tmp_path):
     with pytest.raises(SystemExit, match="^grpo: error: the model's logits are not finite: training diverged; "
                                          "lower --learning-rate$"):
@@ -3526,6 +3586,71 @@ def test_a_damaged_checkpoint_is_named_in_one_line_and_a_whole_old_one_is_used(t
     assert [r["step"] for r in metrics(out)] == [1, 2] and grpo.last_checkpoint(out) == ckpt
 
 
+@pytest.fixture(scope="module")
+def saves(tiny_dir, tmp_path_factory):
+    """What a 2-step run leaves (saved at steps 1 and 2), and the flags it ran with: each a state's parts."""
+    where = tmp_path_factory.mktemp("saves")
+    data = write(where / "data.jsonl", [json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)})
+                                        for i in range(4)])
+    argv = ["--model", tiny_dir, "--dataset", data, "--eval-every", "0"] + TINY + ["--output-dir", str(where / "run")]
+    main(argv + ["--max-steps", "1"])
+    shutil.copytree(where / "run" / "checkpoint", where / "step1")
+    main(argv + ["--max-steps", "2", "--resume"])
+    return where, argv[:-2] + ["--max-steps", "3"]
+
+
+MODES = {"new": [], "--resume": ["--resume"], "--resume auto": ["--resume", "auto"], "--overwrite": ["--overwrite"]}
+NONE_SAVED, HELD, NEVER_SAVED = "--resume: no checkpoint in", "holds a run: --resume continues", "holds the metrics"
+CUT = "--resume: .*/checkpoint/adapter_model.safetensors is missing or cut, and no other checkpoint is whole"
+STATES = {  # what each mode does in what a run and its saves can leave: the step it continues from (0: it starts
+    # a new run), or its refusal                                            new         --resume    auto  --overwrite
+    "nothing":                                                              [0,           NONE_SAVED, 0,    0],
+    "metrics (a run stopped before its first save)":                        [NEVER_SAVED, NONE_SAVED, 0,    0],
+    "metrics, checkpoint.tmp (its first save killed)":                      [NEVER_SAVED, NONE_SAVED, 0,    0],
+    "metrics, checkpoint":                                                  [HELD,        2,          2,    0],
+    "metrics, checkpoint, checkpoint.old (a save killed before its end)":   [HELD,        2,          2,    0],
+    "metrics, checkpoint.old (a save killed between its renames)":          [HELD,        1,          1,    0],
+    "metrics, checkpoint cut, checkpoint.old":                              [HELD,        1,          1,    0],
+    "metrics, checkpoint cut":                                              [HELD,        CUT,        CUT,  0]}
+
+
+@pytest.mark.parametrize("state, mode, want", [(state, mode, want) for state, wants in STATES.items()
+                                               for mode, want in zip(MODES, wants)])
+def test_every_resume_mode_in_every_state_a_save_can_leave(saves, tmp_path, state, mode, want):
+    """Each mode's decision, made as a run starts (parse_args and start, no step): a run that continues reads the
+    newest whole checkpoint and deletes nothing; a new run deletes what was there; a refusal leaves it all."""
+    where, argv = saves
+    out = tmp_path / "out"
+    for part in state.split(" (")[0].split(", "):  # step 2's checkpoint, step 1's as .old/
+        if part == "metrics":
+            out.mkdir()
+            for name in ("metrics.jsonl", "samples.jsonl"):
+                shutil.copy(where / "run" / name, out)
+        elif part == "checkpoint.tmp":  # a save killed before it wrote its last file
+            shutil.copytree(where / "run" / "checkpoint", out / part, ignore=shutil.ignore_patterns("*.json"))
+        elif part != "nothing":
+            shutil.copytree(where / ("step1" if part == "checkpoint.old" else "run/checkpoint"), out / part.split()[0])
+        if part == "checkpoint cut":
+            os.truncate(out / "checkpoint" / "adapter_model.safetensors", 100)
+    listing = lambda: sorted(set(os.listdir(out)) - {".lock"}) if out.exists() else []  # noqa: E731
+    before = listing()
+    try:
+        run = grpo.start(grpo.parse_args(argv + ["--output-dir", str(out)] + MODES[mode]))
+    except SystemExit as e:
+        assert isinstance(want, str) and re.search(want, str(e)), str(e)
+        assert listing() == before
+        assert not out.exists() or (out / "metrics.jsonl").read_text() == (where / "run" / "metrics.jsonl").read_text()
+        return
+    for f in (run.bar, run.log, run.samples):
+        f.close()
+    assert run.start == want
+    if want:  # continued from the checkpoint of that step, and nothing deleted
+        assert listing() == before and [r["step"] for r in metrics(str(out))] == list(range(1, want + 1))
+    else:  # a new run: nothing of the old one is left
+        assert not [name for name in listing() if name.startswith("checkpoint")]
+        assert (out / "metrics.jsonl").read_text() == ""
+
+
 def test_resume_refuses_another_base_model_and_names_a_changed_file(tiny_dir, tmp_path, capsys):
     """Paths may move on --resume, content may not change silently: other weights of the same shapes are refused
     in one line; an identical copy of the model elsewhere resumes; a reward file that changed (a fixed bug, say)
@@ -3707,12 +3832,13 @@ def test_a_signal_while_a_step_is_saved_stops_after_that_step(tiny_dir, tmp_path
     assert capsys.readouterr().out.strip().splitlines()[-1].startswith("grpo: stopped at step 1: --resume")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGUSR1, signal.SIGQUIT])
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT])
 def test_signals_inside_a_save_do_not_break_it_and_others_stop_as_sigterm_does(tiny_dir, tmp_path, monkeypatch,
                                                                                 capsys, sig):
-    """SIGHUP (the terminal closed), SIGUSR1 (`sbatch --signal=USR1@T`: the time limit is near) or SIGQUIT in a
-    rollout stops the run as SIGTERM does: the last completed step is saved at once. A Ctrl-C and a SIGTERM that
-    land inside that save are only noted: it completes, and the run exits 128 + the first signal."""
+    """SIGHUP (the terminal closed), SIGUSR1 or SIGUSR2 (`sbatch --signal=USR1@T`, submitit's USR2: the time limit
+    is near) or SIGQUIT in a rollout stops the run as SIGTERM does: the last completed step is saved at once. A
+    Ctrl-C and a SIGTERM that land inside that save are only noted: it completes, and the run exits 128 + the first
+    signal."""
     out = str(tmp_path / "out")
     rollout, save = grpo.rollout, grpo.save
     calls = []
@@ -3786,6 +3912,15 @@ def test_an_output_dir_that_cannot_be_made_or_that_a_run_deletes_is_refused_firs
                       (run / "checkpoint.old" / "x", f"is inside a checkpoint of the run in '{run}'")):
         with pytest.raises(SystemExit, match=f"^grpo: error: --output-dir '{out}' {says}"):
             main(["--model", tiny_dir, "--output-dir", str(out)] + TINY)
+
+
+def test_an_empty_output_dir_is_refused_without_locking_the_working_directory(tmp_path, monkeypatch):
+    """parse_args takes the output dir's lock before it checks the flags: '' (the working directory, to abspath)
+    is refused before any .lock is made there."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match="--output-dir must name a directory"):
+        grpo.parse_args(["--output-dir", ""])
+    assert os.listdir(tmp_path) == []
 
 
 def test_a_signal_before_the_first_step_ends_saves_nothing_and_says_so(tiny_dir, tmp_path):
@@ -4025,6 +4160,62 @@ def test_two_processes_mixed_pool_refill_sigterm_and_resume(tiny_dir, tmp_path):
     assert [json.loads(line) for line in open(split + "/samples.jsonl")] == samples  # every rank's, as they were
     a, b = trained(straight), trained(split)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+REQUEUED = """import json, os, pathlib, sys
+sys.path.insert(0, {here!r})
+import grpo
+setup, start = grpo.setup_distributed, grpo.start
+def joined():  # a rank joins the process group: a file the test waits on
+    pathlib.Path({notes!r} + "joined" + os.environ.get("RANK", "0")).touch()
+    return setup()
+def started(a):  # the flags a rank starts with
+    pathlib.Path({notes!r} + "flags" + os.environ.get("RANK", "0")).write_text(json.dumps(vars(a)))
+    return start(a)
+grpo.setup_distributed, grpo.start = joined, started
+grpo.main()
+"""
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_requeued_job_that_meets_its_old_one_before_its_first_save_continues_from_that_save(loaded, tiny_dir,
+                                                                                               tmp_path, ranks):
+    """A requeued job (`--resume auto`, its first launch's command) meets its old job still running, before that
+    one's first save: the old job (here, this process) holds the output dir's lock. The new job waits, every rank
+    of it (rank 0 for the lock, the others for what rank 0 then reads), so when the old job saves step 2 and ends,
+    each rank continues from step 2, with that checkpoint's flags, rather than start over and delete it (rank 1,
+    reading the dir alone before the save, once did)."""
+    a, model, tok = loaded
+    out = tmp_path / "out"
+    out.mkdir()
+    old = open(out / ".lock", "a")
+    fcntl.flock(old, fcntl.LOCK_EX)  # the old job, in its step 2
+    (out / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
+    (tmp_path / "requeued.py").write_text(REQUEUED.format(here=HERE, notes=f"{tmp_path}/"))
+    cmd = [sys.executable] if ranks == 1 else TORCHRUN
+    p = background(tmp_path, cmd + [str(tmp_path / "requeued.py"), "--model", tiny_dir, "--algo", "drgrpo",
+                                    "--output-dir", str(out), "--resume", "auto", "--max-steps", "3"]
+                   + TINY + ["--eval-every", "0"])
+    try:
+        wait_for("rank 0's wait", lambda: f"'{out}' is in use by another run: waiting for it to end" in p.err(), p)
+        wait_for("rank 1", lambda: all((tmp_path / f"joined{r}").exists() for r in range(1, ranks)), p)
+        with open(out / "metrics.jsonl", "a") as f:
+            f.write('{"step": 2, "reward/mean": 0.25}\n')
+        rng = {"torch": torch.get_rng_state(), "cuda": None, "python": grpo.random.getstate()}
+        grpo.save(model, tok, replace(a, output_dir=str(out), seed=7),  # (a seed the new command does not give)
+                  {"step": 2, "prompts_drawn": 4, "rng": [rng] * ranks,
+                   "optimizer": grpo.make_optimizer(a, model).state_dict()})
+        old.close()  # the old job ends
+        wait_for("every rank's start", lambda: all((tmp_path / f"flags{r}").exists() for r in range(ranks)), p)
+        flags = [json.loads((tmp_path / f"flags{r}").read_text()) for r in range(ranks)]
+        assert all(f == flags[0] for f in flags), [(f["resume"], f["overwrite"], f["seed"]) for f in flags]
+        assert flags[0]["resume"] == "on" and flags[0]["seed"] == 7
+        assert p.wait(timeout=240) == 0, p.err()[-3000:]
+    finally:
+        old.close()
+        p.kill()
+    assert [r["step"] for r in metrics(str(out))] == [1, 2, 3] and metrics(str(out))[1]["reward/mean"] == 0.25
+    assert json.load(open(out / "checkpoint" / "grpo_args.json"))["step"] == 3
 
 
 # ----------------------------------------------------------------------------- does it learn?
