@@ -242,7 +242,7 @@ def check_args(a: Args, typed=()):
     for name in [name for name in typed if name in NEEDS]:  # a flag typed where it does nothing
         on, *values = NEEDS[name].split()
         needs = " or ".join(f"{dash(on)} {v}" for v in values) or dash(on)
-        if not (getattr(a, on) in values or not values and getattr(a, on)):
+        if not (str(getattr(a, on)) in values or not values and getattr(a, on) != getattr(Args, on)):
             fail(f"{dash(name)} does nothing without {needs}: add it, or drop {dash(name)}")
     checks = [
         (not a.output_dir, "--output-dir must name a directory"),

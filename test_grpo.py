@@ -1561,6 +1561,19 @@ def test_only_what_was_typed_is_refused_not_a_preset_s_or_a_saved_run_s_value(tm
         grpo.parse_args(["--output-dir", str(tmp_path), "--resume", "--scale", "none"])
 
 
+def test_a_needs_row_names_a_number_value_or_a_partner_whose_default_is_true(monkeypatch):
+    """NEEDS' partner is on when it is not at its default (not when it is truthy: --eps-high defaults to 0.2), and
+    a value in the table is matched as written (--num-iterations 2 is the int 2, the table's '2' a string)."""
+    monkeypatch.setitem(grpo.NEEDS, "tis_mode", "num_iterations 2 3")
+    monkeypatch.setitem(grpo.NEEDS, "tis_min", "eps_high")
+    grpo.parse_args(["--tis-mode", "token_mask", "--num-iterations", "2"])
+    grpo.parse_args(["--tis-min", "0.5", "--eps-high", "0.28"])
+    with pytest.raises(SystemExit, match="--tis-mode does nothing without --num-iterations 2 or --num-iterations 3"):
+        grpo.parse_args(["--tis-mode", "token_mask"])
+    with pytest.raises(SystemExit, match="--tis-min does nothing without --eps-high: add it"):
+        grpo.parse_args(["--tis-min", "0.5"])
+
+
 @pytest.mark.parametrize("flag, value, says", [
     ("--num-generations", "0", r"--num-generations must be in \(0, inf\), not 0"),
     ("--max-grad-norm", "-1", r"must be in \[0, inf\), not -1"), ("--temperature", "0", "--temperature must be in"),
