@@ -1698,7 +1698,8 @@ def switched_on(f, v):
 
 def test_dry_run_shows_every_flag_that_changes_the_objective():
     """Each flag the objective depends on changes --dry-run's formula where it acts: a new flag is shown there,
-    or listed above as leaving the objective as it is. A number flag is turned on inside its bounds."""
+    or listed above as leaving the objective as it is. A number flag is turned on inside its bounds, beside the flag it
+    acts with (NEEDS) switched on."""
     every_term = grpo.Args(dynamic_sampling=True, overlong_penalty=True, overlong_buffer=10, soft_reweight=True,
                            beta=0.1, teacher_pool="pool.jsonl", teacher_per_group=2, split_grads=True,
                            top_k_groups=2, mask_truncated=True, tis=2.0, dual_clip=3.0, num_iterations=2,
@@ -1711,8 +1712,12 @@ def test_dry_run_shows_every_flag_that_changes_the_objective():
     for f in grpo.dataclasses.fields(grpo.Args):
         if f.name in NOT_THE_OBJECTIVE:
             continue
+        on, *values = grpo.NEEDS.get(f.name, "dry_run").split()  # the flag it acts with (NEEDS), on
+        kind = type(getattr(grpo.Args, on))
+        partner = [kind(v) for v in values] or switched_on(grpo.Args.__dataclass_fields__[on], getattr(every_term, on))
+        with_partner = bases + [replace(every_term, **{on: partner[0]})]
         changed = [formula(replace(b, **{f.name: alt})) != formula(b)  # every choice renders
-                   for b in bases for alt in switched_on(f, getattr(b, f.name))]
+                   for b in with_partner for alt in switched_on(f, getattr(b, f.name))]
         if not any(changed):
             unseen.append(f.name)
     assert unseen == []
