@@ -582,7 +582,7 @@ def build_rewards(a: Args) -> list[tuple[str, object, float]]:
             fail(f"--reward-fn: {path} has no function {name!r}")
         fns.append((name, fn, 1.0))
     if len({name for name, _, _ in fns}) < len(fns):  # each is logged as reward/<name>
-        fail("--rewards and --reward-fn name a reward twice: rename the function, or list the reward once")
+        fail("a reward is named twice (in --rewards, or by --reward-fn's function): list it once")
     for i, (name, fn, weight) in enumerate(fns):  # a reward that takes max_length gets T (rewards.cosine)
         if "max_length" in inspect.signature(fn).parameters:
             fns[i] = (name, functools.wraps(fn)(functools.partial(fn, max_length=a.max_new_tokens)), weight)
@@ -617,8 +617,10 @@ def select_groups(rewards: torch.Tensor, a: Args) -> tuple[torch.Tensor, bool, s
     B were found, and --dry-run's words. Dynamic sampling (DAPO §3.2) keeps groups whose rewards differ, and
     rollout samples again until B are kept or max_gen_rounds; then the first B. FORKER: a filter before
     `enough` is refilled by sampling again; one after it leaves fewer groups to train."""
-    if not rewards.std(1).isfinite().all():  # float32's: std_g squares R - mean_g (A = 0), mean_g sums R
-        fail(f"rewards up to {rewards.abs().max():.3g} overflow float32 in their group's std: scale them")
+    big = a.max_new_tokens * rewards.double().abs().sum() ** 2  # bounds every float32 sum the advantages
+    if not big < torch.finfo(torch.float32).max:  # take: group means, squares, rpp's whitening over tokens
+        fail(f"rewards up to {rewards.abs().max():.3g} overflow float32 in the advantages' sums (T (Σ|R|)² "
+             f"over 3.4e38): scale them")
     keep = torch.arange(len(rewards))
     words = "all"
     if a.dynamic_sampling:
@@ -1381,12 +1383,7 @@ def end_step(run, a: Args, step: int, m: dict, generated: list[dict]) -> bool:
     if run.rank != 0:
         return stopping
     m = {"step": step, **m, "tokens_per_second": m["completion/tokens"] / (time.time() - run.t0)}
-    try:
-        run.log.write(json.dumps(m) + "\n")
-        run.samples.writelines(json.dumps(r) + "\n" for r in samples)
-    except OSError as e:  # a full disk, say
-        fail(f"writing step {step}'s metrics failed ({e}); last checkpoint: "
-             f"{last_checkpoint(a.output_dir) or 'none'}")
+    write_log(run, a, m, samples)
     if step == run.start + 1:  # a broken reward or chat template shows here, not an hour later
         for r in sample_rows(generated[:1], step):
             run.bar.write(f"grpo: reward {r['reward']:.3g} {r['rewards']}: {r['completion'][:50]!r}",
@@ -1396,13 +1393,21 @@ def end_step(run, a: Args, step: int, m: dict, generated: list[dict]) -> bool:
         run.bar.write(f"grpo: note: equal rewards in every group at steps {step - FLAT_STEPS + 1}-{step}, so "
                       "the rewards teach nothing: try a denser reward, a stronger model or easier prompts "
                       "(--log-samples 1 shows them)", file=sys.stderr)
-    if a.wandb_project:
-        sys.modules["wandb"].log(m, step=step)
     run.bar.set_postfix(reward=f"{m['reward/mean']:.3f}", acc=f"{m['accuracy']:.2f}")
     if (a.save_every and step % a.save_every == 0) or step == a.max_steps or stopping:
         save(run.model, run.tok, a, {**run.done, "optimizer": run.opt.state_dict()})
         run.saved = step
     return stopping
+
+def write_log(run, a: Args, m: dict, samples=()):  # rank 0: a line of metrics.jsonl (and wandb's), samples
+    try:
+        run.log.write(json.dumps(m) + "\n")
+        run.samples.writelines(json.dumps(r) + "\n" for r in samples)
+    except OSError as e:  # a full disk, say
+        fail(f"writing step {m['step']}'s metrics failed ({e}); last checkpoint: "
+             f"{last_checkpoint(a.output_dir) or 'none'}")
+    if a.wandb_project:
+        sys.modules["wandb"].log(m, step=m["step"])
 
 def describe(a: Args) -> str:
     """--dry-run: the loss the flags optimise, in the words each term writes beside its math (probe: made-up
@@ -1437,9 +1442,7 @@ def main(argv=None):
         if a.eval_every and run.evals and run.start == 0:  # where the run starts from, as papers report it
             m = evaluate(run.model, run.tok, run.evals, a, run.rank, run.world, run.sampler)
             if run.rank == 0:
-                run.log.write(json.dumps({"step": 0, **m}) + "\n")
-                if a.wandb_project:  # as every line of the log
-                    sys.modules["wandb"].log({"step": 0, **m}, step=0)
+                write_log(run, a, {"step": 0, **m})
         for step in run.bar:
             run.busy = False  # till the update, a signal stops the run at once
             if run.stop and run.rank == 0:  # one that came as the last step was saved

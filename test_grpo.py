@@ -1433,18 +1433,24 @@ def test_a_reward_that_raises_or_returns_no_finite_number_stops_the_run_named(va
         grpo.score(["x"], [{"prompt": "p", "answer": "1"}], [1], fns, grpo.parse_args([]))
 
 
-def test_rewards_that_overflow_float32_in_their_group_s_std_are_refused():
+def test_rewards_that_overflow_float32_in_the_advantages_are_refused():
     """Each of ±3e38 is finite in float32, but the group's std squares R - mean_g: std_g = inf, so every A = 0 and
-    nothing trains, without a word; a group of two 3e38 overflows its mean (A = NaN). Refused where the groups are
-    chosen, before the step. 1e18 (its square is 1e36) trains."""
+    nothing trains, without a word; a group of two 3e38 overflows its mean (A = NaN); REINFORCE++'s whitening sums
+    squares over tokens (1e20: every A = 0). Refused where the groups are chosen, before the step, by a bound on every
+    float32 sum the advantages take: T (Σ|R|)². 1e16 trains."""
     a = grpo.parse_args([])
     adv, _ = grpo.group_advantages(torch.tensor([[3e38, -3e38]]))
     assert adv.tolist() == [[0.0, 0.0]]  # what would have trained
-    for bad in ([[1.0, 0.0], [3e38, -3e38]], [[3e38, 3e38]], [[math.inf, 1.0]]):
-        with pytest.raises(SystemExit, match=r"^grpo: error: rewards up to (3e\+38|inf) overflow float32 in their "
-                                             r"group's std: scale them"):
+    s = {"reward": torch.tensor([1e20, 0.0, 1.0, 0.0]), "mask": torch.ones(4, 256)}  # rpp whitens Σ_t (A - mean)²
+    rpp = grpo.step_terms(s, grpo.parse_args(["--adv-estimator", "reinforce_plus_plus_baseline", "--num-generations",
+                                              "2"]))[1]
+    assert rpp.tolist() == [0.0] * 4  # what would have trained: nothing, without a word
+    for bad in ([[1.0, 0.0], [3e38, -3e38]], [[3e38, 3e38]], [[math.inf, 1.0]], [[1e20, 0.0], [1.0, 0.0]],
+                [[math.nan, 1.0]]):
+        with pytest.raises(SystemExit, match=r"^grpo: error: rewards up to (3e\+38|inf|1e\+20|nan) overflow float32 "
+                                             r"in the advantages' sums \(T \(Σ\|R\|\)² over 3.4e38\): scale them"):
             grpo.select_groups(torch.tensor(bad), a)
-    assert grpo.select_groups(torch.tensor([[1e18, -1e18], [1.0, 0.0]]), a)[0].tolist() == [0, 1]
+    assert grpo.select_groups(torch.tensor([[1e16, -1e16], [1.0, 0.0]]), a)[0].tolist() == [0, 1]
 
 
 def test_a_non_finite_reward_weight_stops_the_run():
@@ -1462,7 +1468,7 @@ def test_a_reward_named_twice_is_refused(tmp_path):
     (tmp_path / "rw.py").write_text("def correct(c, a, **kw):\n    return 0.5\n")
     mine = f"{tmp_path}/rw.py:correct"
     for argv in (["--rewards", "correct", "--reward-fn", mine], ["--rewards", "correct,format,correct:2"]):
-        with pytest.raises(SystemExit, match="name a reward twice"):
+        with pytest.raises(SystemExit, match=r"a reward is named twice \(in --rewards, or by --reward-fn's"):
             grpo.build_rewards(grpo.parse_args(argv))
     assert [n for n, _, _ in grpo.build_rewards(grpo.parse_args(["--reward-fn", mine]))] == ["correct"]
 
@@ -2805,7 +2811,8 @@ def test_a_failed_save_removes_its_partial_copy_and_names_the_last_checkpoint(lo
         assert json.load(open(tmp_path / "checkpoint" / "grpo_args.json"))["step"] == 1
 
 
-def test_a_full_disk_while_metrics_are_written_is_one_line(tiny_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("full_at, saved", [(2, 1), (0, None)])  # 0: the evaluation before the first step
+def test_a_full_disk_while_metrics_are_written_is_one_line(tiny_dir, tmp_path, monkeypatch, full_at, saved):
     out = str(tmp_path / "out")
     open_log = grpo.open_log
 
@@ -2813,16 +2820,17 @@ def test_a_full_disk_while_metrics_are_written_is_one_line(tiny_dir, tmp_path, m
         def __init__(self, f):
             self.f = f
         def write(self, line):
-            if line.startswith('{"step": 2,'):
+            if line.startswith(f'{{"step": {full_at},'):
                 raise OSError(28, "No space left on device")
             return self.f.write(line)
         def __getattr__(self, name):
             return getattr(self.f, name)
     monkeypatch.setattr(grpo, "open_log", lambda a, name, step: Full(open_log(a, name, step)))
-    with pytest.raises(SystemExit, match=rf"^grpo: error: writing step 2's metrics failed \(\[Errno 28\] No space "
-                                         rf"left on device\); last checkpoint: {out}/checkpoint$"):
+    last = f"{out}/checkpoint" if saved else "none"
+    with pytest.raises(SystemExit, match=rf"^grpo: error: writing step {full_at}'s metrics failed \(\[Errno 28\] No "
+                                         rf"space left on device\); last checkpoint: {last}$"):
         main(["--model", tiny_dir, "--output-dir", out, "--max-steps", "3", "--save-every", "1"] + TINY)
-    assert json.load(open(out + "/checkpoint/grpo_args.json"))["step"] == 1
+    assert saved is None or json.load(open(out + "/checkpoint/grpo_args.json"))["step"] == saved
 
 
 def test_a_diverged_model_stops_sampling_with_one_line(loaded):
@@ -3252,7 +3260,7 @@ def test_a_run_in_which_nothing_trains_says_so_once(tiny_dir, tmp_path, capsys):
 def test_a_run_whose_rewards_overflow_their_group_s_std_stops_at_its_first_step(tiny_dir, tmp_path):
     """A reward of ±3e38 (finite, so score takes it) would make every advantage 0: the run stops at step 1, saying so."""
     body = "n = 0\ndef r(c, a, **kw):\n    global n\n    n += 1\n    return 3e38 * (-1) ** n\n"
-    with pytest.raises(SystemExit, match=r"^grpo: error: rewards up to 3e\+38 overflow float32 in their group's std"):
+    with pytest.raises(SystemExit, match=r"^grpo: error: rewards up to 3e\+38 overflow float32 in the advantages'"):
         main(["--model", tiny_dir, "--output-dir", str(tmp_path / "out"), "--max-steps", "2"] + TINY
              + ["--eval-every", "0"] + reward_file(tmp_path, body)[:2])
     assert not (tmp_path / "out" / "checkpoint").exists()
