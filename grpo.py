@@ -37,9 +37,11 @@ import os
 import pathlib
 import random
 import runpy
+import select
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -104,6 +106,9 @@ class Args:
     top_p: float = flag(1.0, "nucleus sampling (1: off)", bounds="(0, 1]")
     top_k: int = flag(0, "top-k sampling (0: off)")
     compile_generate: str = flag("auto", "compiled sampler (auto: with CUDA)", ("auto", "on", "off"))
+    tools: str = flag("", "tools the model may call: calculator, PATH.py (its public functions), PATH.py:f,g")
+    max_tool_calls: int = flag(8, "tool calls a completion at most (--tools)")
+    tool_timeout: float = flag(10.0, "seconds a tool call may run before its process is killed", bounds="(0, inf)")
     rewards: str = flag("correct", "built-in rewards, weighted: correct:1,format:0.2 (rewards.py)")  # reward
     reward_fn: str = flag("", "your own reward, PATH.py:FUNCTION; used alone unless --rewards is given")
     overlong_penalty: bool = flag(False, "DAPO §3.4 soft overlong punishment added to the reward")
@@ -158,7 +163,7 @@ class Args:
     weight_decay: float = flag(0.0, "AdamW weight decay")
     max_grad_norm: float = flag(1.0, "clip the gradient norm (0: no clipping)")
 
-PATHS = ("model", "dataset", "eval_dataset", "reward_fn", "teacher_pool")  # RESUMABLE: may change on --resume
+PATHS = ("model", "dataset", "eval_dataset", "reward_fn", "teacher_pool", "tools")  # may move on --resume
 RESUMABLE = {"resume", "overwrite", "output_dir", "max_steps", "save_every", "eval_every", "eval_prompts",
              "eval_samples", "log_samples", "wandb_project", "compile_generate", "dry_run", *PATHS,
              "micro_batch_size", "gradient_checkpointing"}  # memory only (clip_cov, kl_cov: per micro-batch)
@@ -323,7 +328,7 @@ def read_records(source: str, split: str) -> list[tuple[str, dict]]:
         fail(f"{source}: no examples")
     return rows
 
-def load_examples(source: str, split: str, graded: bool, reward_fns=()) -> list[dict]:
+def load_examples(source: str, split: str, graded: bool, reward_fns=(), keywords=None) -> list[dict]:
     """prompt/answer records or GSM8K's question/answer ('... #### N'); graded: a reward reads the answer."""
     out = []
     for where, rec in read_records(source, split):
@@ -340,7 +345,7 @@ def load_examples(source: str, split: str, graded: bool, reward_fns=()) -> list[
         fields = {k: v for k, v in out[-1].items() if k != "answer"}
         for name, fn, _ in reward_fns:  # bound as score() will call it: a field a reward needs is here
             try:
-                inspect.signature(fn).bind(answer, answer, **fields, length=0)
+                inspect.signature(fn).bind(answer, answer, **fields, **keywords)
             except TypeError as e:  # a keyword the reward requires and the record lacks, or the reverse
                 fail(f"{where}: reward {name!r} cannot take this record's fields: {e}")
     return out
@@ -352,7 +357,7 @@ def load_data(a: Args, reward_fns=()) -> tuple[list[dict], list[dict]]:
         train = arithmetic_task(20000, a.seed)
         evals = [] if a.eval_dataset else arithmetic_task(a.eval_prompts, 0, held_out=True)
     else:
-        train = load_examples(a.dataset, "train", graded, reward_fns)
+        train = load_examples(a.dataset, "train", graded, reward_fns, reward_keywords(a, [0])[0])
     if a.eval_dataset:
         evals = load_examples(a.eval_dataset, "test", graded)  # (no reward sees them)
     return train[:a.max_samples or None], evals[:a.eval_prompts]
@@ -445,12 +450,13 @@ def make_optimizer(a: Args, model):
     return optimizer(params, lr=a.learning_rate, weight_decay=a.weight_decay)
 
 # ----------------------------------------------------------------------------- generate
-def chat_prompt(tok, prompt: str, system: str) -> str:
+def chat_prompt(tok, prompt: str, system: str, tools: dict | None = None) -> str:
     if not tok.chat_template:
         return prompt
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": prompt})
-    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    schemas = tools["schemas"] if tools else None  # --tools: rendered as the model was trained to read them
+    return tok.apply_chat_template(messages, tools=schemas, tokenize=False, add_generation_prompt=True)
 
 def completion_mask(ids: torch.Tensor, eos_ids) -> tuple[torch.Tensor, torch.Tensor]:
     """ids (N, C) -> mask (N, C): 1 up to and including the first EOS, 0 after; truncated (N,): no EOS.
@@ -461,15 +467,50 @@ def completion_mask(ids: torch.Tensor, eos_ids) -> tuple[torch.Tensor, torch.Ten
     return mask, ~is_eos.any(1)
 
 @torch.no_grad()
-def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False, sampler=None):
-    """n completions a prompt -> prompt ids, completions cut after their first EOS, truncated, and the
-    sampler's log-prob of each token (NaN when greedy). sampler: compile_sampler's one shape for all calls."""
-    enc = tok(texts, return_tensors="pt", padding="max_length" if sampler else True,
-              max_length=sampler and sampler["prompt_len"], add_special_tokens=not tok.chat_template)
-    extra = -len(texts) * n % sampler["rows"] if sampler else 0  # rows added for the one shape, dropped after
-    rows = [i for i in range(len(texts)) for _ in range(n)] + [len(texts) - 1] * extra  # each prompt n times
-    ids = enc.input_ids[rows].to(model.device)  # (rows, P)
-    attn = enc.attention_mask[rows].to(model.device)
+def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False, sampler=None, tools=None):
+    """n completions a prompt, each drawn until EOS or T tokens. With --tools, a turn that ends in tool calls
+    (parse_tool_calls) gets their results as the chat template renders them (tool_turn), and its row draws on:
+    T tokens in all, --max-tool-calls calls at most. Returns the prompt ids, the completions, truncated (not
+    ended by EOS), the sampler's log-prob of each token (NaN at the tool's and when greedy), each completion's
+    tool mask (1 on the model's tokens, 0 on the tool's: results and the template's words) and its calls."""
+    eos = model.generation_config.eos_token_id
+    prompts = [torch.tensor(ids) for ids in tok(texts, add_special_tokens=not tok.chat_template).input_ids]
+    pieces = [[] for _ in range(len(texts) * n)]  # a row's (tokens, sampler log-probs, 1: the model's, 0: not)
+    calls = [[] for _ in pieces]
+    todo = list(range(len(pieces)))  # the rows still drawing
+    while todo:
+        held = [torch.cat([prompts[i // n]] + [ids for ids, _, _ in pieces[i]]) for i in todo]
+        room = [a.max_new_tokens - len(h) + len(prompts[i // n]) for i, h in zip(todo, held)]  # of T, left
+        drawn, logp = sample(model, held, max(room), a, greedy, sampler)
+        going = []
+        for i, ids, lp, m, left in zip(todo, drawn, logp, completion_mask(drawn, eos)[0], room):
+            turn = ids[m][:left]  # up to its first EOS, within T
+            pieces[i].append((turn, lp[m][:left], 1))
+            found = parse_tool_calls(tok.decode(turn)) if tools and turn[-1].item() in eos else []
+            if not found or len(calls[i]) + len(found) > a.max_tool_calls or len(turn) == left:
+                continue  # the completion ends with this turn
+            calls[i] += [run_tool(tools, call) for call in found]
+            result = torch.tensor(tool_turn(tok, eos, calls[i][-len(found):], left - len(turn)))
+            pieces[i].append((result, torch.full(result.shape, math.nan), 0))
+            if len(turn) + len(result) < left:
+                going.append(i)
+        todo = going
+    comps = [torch.cat([ids for ids, _, _ in p]) for p in pieces]
+    logps = [torch.cat([lp for _, lp, _ in p]) for p in pieces]
+    tool_masks = [torch.cat([torch.full(ids.shape, float(mine)) for ids, _, mine in p]) for p in pieces]
+    return prompts, comps, [c[-1].item() not in eos for c in comps], logps, tool_masks, calls
+
+def sample(model, held: list[torch.Tensor], new_tokens: int, a: Args, greedy: bool = False, sampler=None):
+    """A turn of each row: tokens drawn after what it holds (its prompt; with tools, and what it drew and was
+    given since), left padded, and the sampler's log-prob of each (NaN when greedy), (N, C) on the CPU.
+    sampler: compile_sampler's one shape for all calls (new_tokens: T, for the same shape)."""
+    extra = -len(held) % sampler["rows"] if sampler else 0  # rows added for the one shape, dropped after
+    P = sampler["prompt_len"] if sampler else max(len(h) for h in held)
+    ids = torch.full((len(held) + extra, P), model.generation_config.pad_token_id)  # (rows, P)
+    attn = torch.zeros_like(ids)
+    for r, h in enumerate(held + held[-1:] * extra):
+        ids[r, P - len(h):] = h
+        attn[r, P - len(h):] = 1
     steps, last, finite = [], [], []  # one step's (rows, V) log-probs are kept at a time, never (rows, T, V)
     def record(input_ids, scores):  # before each draw, on raw logits (ahead of temperature and top-k/p)
         if last:  # input_ids ends with the previous draw
@@ -484,21 +525,19 @@ def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False
         kw = dict(do_sample=False)
     if sampler:
         kw.update(cache_implementation="static", compile_config=sampler["compile_config"])
+        new_tokens = a.max_new_tokens
     model.eval()
     with autocast(a, model.device):
-        out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=a.max_new_tokens,
-                             logits_processor=[record], **kw)
+        out = model.generate(input_ids=ids.to(model.device), attention_mask=attn.to(model.device),
+                             max_new_tokens=new_tokens, logits_processor=[record], **kw)
     model.train()
     if not torch.stack(finite).all():
         fail("the model's logits are not finite: training diverged; lower --learning-rate")
     if last:  # the last draw
         steps.append(last.pop().gather(1, out[:, -1:])[:, 0])
-    comp = out[:len(out) - extra, ids.shape[1]:]  # (len(texts) * n, C)
+    comp = out[:len(held), P:]  # (N, C)
     logp = torch.stack(steps, 1)[:len(comp)] if steps else torch.full(comp.shape, math.nan, device=out.device)
-    mask, truncated = completion_mask(comp, model.generation_config.eos_token_id)
-    prompts = [p[m.bool()] for p, m in zip(enc.input_ids, enc.attention_mask)]
-    comps = [c[m] for c, m in zip(comp, mask)]
-    return prompts, comps, truncated.tolist(), [lp[m] for lp, m in zip(logp, mask)]
+    return comp.cpu(), logp.cpu()
 
 def compile_sampler(model, a: Args, prompt_len: int, world: int = 1) -> dict | None:
     """--compile-generate: one shape for every call (prompts padded to the longest, rows to B / ranks x G,
@@ -512,7 +551,123 @@ def compile_sampler(model, a: Args, prompt_len: int, world: int = 1) -> dict | N
         config = CompileConfig(dynamic=False, backend="eager", mode=None)
     config._compile_all_devices = True
     rows = a.prompts_per_step // world * a.num_generations
+    if a.tools:  # a row goes on after a tool's result: what it holds then, up to a prompt and T tokens
+        prompt_len += a.max_new_tokens
     return dict(prompt_len=prompt_len, rows=rows, compile_config=config)
+
+# ----------------------------------------------------------------------------- tools (generate calls them)
+def parse_tool_calls(text: str) -> list:
+    """The calls a turn makes, in Qwen2.5's format (Hermes'): '<tool_call>\\n{"name": ..., "arguments": {...}}\\n
+    </tool_call>', one or more; a call's JSON, or where it is none its text (an error the model is told).
+    FORKER: another model family's format is this function."""
+    calls = []
+    for part in text.split("<tool_call>")[1:]:
+        body, closed, _ = part.partition("</tool_call>")
+        if closed:
+            try:
+                calls.append(json.loads(body))
+            except ValueError:
+                calls.append(body)
+    return calls
+
+def tool_turn(tok, eos: list[int], calls: list[dict], room: int) -> list[int]:
+    """The tokens from the end of a turn that made `calls` to the start of the next: each call's result as a
+    tool message, then the generation prompt, as the chat template renders them (as TRL's), at most `room`
+    (a result is first cut at 8 characters a token of room: a megabyte is never tokenized)."""
+    chat = [{"role": "user", "content": ""}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": c["name"], "arguments": {}}} for c in calls]}]
+    results = [{"role": "tool", "name": c["name"], "content": c["result"][:8 * room]} for c in calls]
+    head = tok.apply_chat_template(chat, tokenize=True, return_dict=False)
+    full = tok.apply_chat_template(chat + results, tokenize=True, return_dict=False, add_generation_prompt=True)
+    end = max(i for i, t in enumerate(head) if t in eos) + 1  # after the turn's EOS, the model's own
+    if full[:end] != head[:end]:
+        fail("--tools: the chat template renders a turn that made calls otherwise once results follow it")
+    return full[end:end + room]
+
+TOOL_WORKER = r"""if True:  # run by `python -c`: a fresh interpreter, without torch, in a directory of its own
+    import inspect, json, os, runpy, sys
+    requests = os.fdopen(os.dup(0), encoding="utf-8")
+    replies = os.fdopen(os.dup(1), "w", encoding="utf-8", errors="replace")  # a lone surrogate sent as '?'
+    for fd in range(3):  # what a tool reads, prints or logs: /dev/null
+        os.dup2(os.open(os.devnull, os.O_RDWR), fd)
+    sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[2])]  # rewards.py's directory, the tool file's
+    try:
+        if sys.argv[2] == "calculator":
+            from rewards import calculator
+            tools = {"calculator": calculator}
+        else:
+            found = runpy.run_path(sys.argv[2])
+            public = [k for k, v in found.items() if inspect.isfunction(v) and v.__module__ == "<run_path>"]
+            names = sys.argv[3].split(",") if sys.argv[3] else [k for k in public if not k.startswith("_")]
+            tools = {name: found[name] for name in names if name in public or {}[f"no function {name}"]}
+    except BaseException as e:  # said at start-up, where the schemas are asked for
+        tools = e
+    for line in requests:
+        name, arguments = json.loads(line)
+        try:
+            if isinstance(tools, BaseException):
+                raise tools
+            if name == "":  # start-up: the schemas, from type hints and docstrings (as TRL's)
+                from transformers.utils import get_json_schema
+                result = json.dumps([get_json_schema(fn) for fn in tools.values()])
+            elif name not in tools:
+                raise LookupError(f"no tool {name!r}: the tools are {', '.join(tools)}")
+            else:
+                result = str(tools[name](**arguments))
+            reply = {"result": result}
+        except BaseException as e:
+            reply = {"result": f"error: {type(e).__name__}: {e}", "error": True}
+        replies.write(json.dumps(reply, ensure_ascii=False) + "\n")
+        replies.flush()
+"""
+
+def load_tools(a: Args, tok) -> dict | None:
+    """--tools: the process their calls run in (TOOL_WORKER; started again after a crash or a timeout), and
+    their JSON schemas, by transformers' get_json_schema from type hints and docstrings, as TRL's. A tools file
+    that fails to load, a function that is not there or has no schema: one line, at start-up."""
+    if not a.tools:
+        return None
+    path, names = split_path(a.tools)
+    if a.tools != "calculator" and not (path.endswith(".py") and os.path.isfile(path)):
+        fail(f"--tools {a.tools!r}: expected calculator (the built-in), PATH.py or PATH.py:FUNCTION,FUNCTION")
+    here = os.path.dirname(os.path.abspath(__file__))
+    tools = dict(argv=[sys.executable, "-c", TOOL_WORKER, here, path, names[1:]], proc=None, timeout=600,
+                 dir=tempfile.TemporaryDirectory(prefix="grpo_tools_"))  # (its start imports transformers)
+    reply = run_tool(tools, {"name": "", "arguments": {}})
+    if reply.get("error"):
+        fail(f"--tools {a.tools!r}: {reply['result'].removeprefix('error: ')}")
+    tools.update(schemas=json.loads(reply["result"]), timeout=a.tool_timeout)
+    shown = chat_prompt(tok, "", "", tools)
+    if not tools["schemas"] or not all(s["function"]["name"] in shown for s in tools["schemas"]):
+        fail(f"--tools: no tool, or a chat template (--model's) that does not show them: {shown[:80]!r}")
+    tool_turn(tok, tok.convert_tokens_to_ids([tok.eos_token]), [{"name": "f", "result": ""}], 1)  # it renders
+    return tools
+
+def run_tool(tools: dict, call) -> dict:
+    """A call, run in the tools' process: {name, arguments, result (the text the model is given)} and "error"
+    where it failed (it raised, no such tool, arguments that are no JSON object, a crash, a timeout), "timeout"
+    where it ran past --tool-timeout and its process was killed."""
+    if not (isinstance(call, dict) and isinstance(call.get("name"), str) and type(call.get("arguments")) is dict):
+        return {"name": "", "arguments": call, "error": True,
+                "result": 'error: a call is {"name": <function-name>, "arguments": <args-json-object>} in JSON'}
+    if tools["proc"] is None or tools["proc"].poll() is not None:
+        tools["proc"] = subprocess.Popen(tools["argv"], cwd=tools["dir"].name, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, encoding="utf-8",
+                                         start_new_session=True)  # (Ctrl-C is the run's, not the tools')
+    proc = tools["proc"]
+    try:
+        proc.stdin.write(json.dumps([call["name"], call["arguments"]]) + "\n")
+        proc.stdin.flush()
+    except OSError:  # it died since the last call: the read below says so
+        pass
+    ready = select.select([proc.stdout], [], [], tools["timeout"])[0]
+    line = proc.stdout.readline() if ready else ""
+    if line.endswith("\n"):
+        return {**call, **json.loads(line)}
+    proc.kill()
+    proc.wait()
+    why = f"ran past --tool-timeout {tools['timeout']:g} s" if not ready else f"exit code {proc.returncode}"
+    return {**call, "result": f"error: the tool's process was ended ({why})", "error": True, "timeout": not ready}
 
 # ----------------------------------------------------------------------------- reward and groups
 def build_rewards(a: Args) -> list[tuple[str, object, float]]:
@@ -545,18 +700,18 @@ def build_rewards(a: Args) -> list[tuple[str, object, float]]:
             fns[i] = (name, functools.wraps(fn)(functools.partial(fn, max_length=a.max_new_tokens)), weight)
     return fns
 
-def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns, a: Args):
+def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns, a: Args, calls=None):
     """Rewards (n,), each function's values, and the words --dry-run shows for what is added. A function gets
-    the completion, the answer and, as keywords, the example's other fields (as TRL's) and `length` (tokens);
+    the completion, the answer and, as keywords, the example's other fields (as TRL's) and reward_keywords;
     one that raises or gives no number stops the run."""
     total = torch.zeros(len(texts))
     per_fn = {}
     for name, fn, weight in reward_fns:
         values = []
-        for text, ex, n in zip(texts, examples, lengths):
+        for text, ex, kw in zip(texts, examples, reward_keywords(a, lengths, calls)):
             fields = {k: v for k, v in ex.items() if k != "answer"}
             try:
-                values.append(fn(text, ex["answer"], **fields, length=n))
+                values.append(fn(text, ex["answer"], **fields, **kw))
             except (Exception, SystemExit) as e:  # a user's reward: say which one and why, then stop
                 fail(f"reward {name!r} raised {type(e).__name__}: {e}")
             if not finite32(values[-1]):
@@ -568,6 +723,13 @@ def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns
         total += torch.tensor([overlong_penalty(n, a.max_new_tokens, a.overlong_buffer) for n in lengths])
         words = f" + overlong(L_cache={a.overlong_buffer})"
     return total, per_fn, words
+
+def reward_keywords(a: Args, lengths: list[int], calls=None) -> list[dict]:
+    """`length`: a completion's tokens, the tools' with the model's, as T counts them; with --tools, `tool_calls`:
+    how many calls it made."""
+    if not a.tools:
+        return [{"length": n} for n in lengths]
+    return [{"length": n, "tool_calls": c} for n, c in zip(lengths, calls or [0] * len(lengths))]
 
 def select_groups(rewards: torch.Tensor, a: Args) -> tuple[torch.Tensor, bool, str]:
     """rewards (n, G): every rank's groups so far, in sampling order -> the indices of those to train, whether
@@ -600,7 +762,7 @@ def all_gather(obj) -> list:  # [every rank's obj]
     dist.all_gather_object(out, obj)
     return out
 
-def rollout(model, tok, stream, reward_fns, pool, a: Args, sampler=None, rank=0, world=1):
+def rollout(model, tok, stream, reward_fns, pool, a: Args, sampler=None, rank=0, world=1, tools=None):
     """A step's groups: in rounds, this rank's share of B prompts, G_s samples each and G_t teacher
     completions, scored; the groups to train chosen from every rank's (select_groups). Returns this rank's
     groups to train (in sampling order), the step's metrics and every group sampled."""
@@ -610,12 +772,13 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, sampler=None, rank=0,
     for rounds in range(1, a.max_gen_rounds + 1):
         batch = [next(stream) for _ in range(a.prompts_per_step)][rank::world]  # whole groups per rank
         t0 = time.time()
-        texts = [chat_prompt(tok, ex["prompt"], a.system_prompt) for ex in batch]
-        prompts, comps, truncated, logps = generate(model, tok, texts, G_s, a, sampler=sampler)
+        texts = [chat_prompt(tok, ex["prompt"], a.system_prompt, tools) for ex in batch]
+        prompts, comps, truncated, logps, tool_masks, calls = generate(model, tok, texts, G_s, a, sampler=sampler,
+                                                                       tools=tools)
         t1 = time.time()
         texts = tok.batch_decode(comps, skip_special_tokens=True)
         rewards, per_fn, _ = score(texts, [ex for ex in batch for _ in range(G_s)], [len(c) for c in comps],
-                                   reward_fns, a)
+                                   reward_fns, a, [len(c) for c in calls])
         for i, ex in enumerate(batch):
             rows = slice(i * G_s, (i + 1) * G_s)
             picks = random.sample(pool[ex["prompt"]], a.teacher_per_group) if pool else []
@@ -627,6 +790,8 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, sampler=None, rank=0,
                 truncated=truncated[rows] + [False] * len(picks),
                 is_teacher=[False] * G_s + [True] * len(picks),  # teachers have no sampler log-probs:
                 sampler_logp=logps[rows] + [torch.full((len(ids),), math.nan) for _, ids, _ in picks],
+                tool_mask=tool_masks[rows] + [torch.ones(len(ids)) for _, ids, _ in picks],
+                tool_calls=calls[rows] + [[]] * len(picks),
                 rewards=torch.cat([rewards[rows], torch.tensor([r for _, _, r in picks])]),
                 per_fn={k: v[rows] for k, v in per_fn.items()}))
         stats["time/generate"] += t1 - t0
@@ -636,11 +801,12 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, sampler=None, rank=0,
         if enough:
             break
     chosen = {everyone[i][0] for i in keep.tolist()}
-    stats.update({"groups/gen_rounds": rounds, "groups/kept": len(chosen), **group_metrics(generated)})
+    stats.update({"groups/gen_rounds": rounds, "groups/kept": len(chosen), **group_metrics(generated, a)})
     return [g for g in generated if g["order"] in chosen], stats, generated
 
-def group_metrics(groups: list[dict]) -> dict:
-    """Rewards, lengths and accuracy (by `correct`, whatever trains) of every rank's completions."""
+def group_metrics(groups: list[dict], a: Args) -> dict:
+    """Rewards, lengths and accuracy (by `correct`, whatever trains) of every rank's completions; with --tools,
+    the calls a completion, the share of completions that call, and the shares of calls that failed, timed out."""
     rows = sum(all_gather(sample_rows(groups, 0)), [])
     students = [r for r in rows if not r["teacher"]]
     reward = torch.tensor([r["reward"] for r in rows], dtype=torch.float64)
@@ -657,6 +823,11 @@ def group_metrics(groups: list[dict]) -> dict:
         part = [r for r in rows if r["teacher"] == (source == "teacher")]
         out[f"reward/mean_{source}"] = statistics.mean(r["reward"] for r in part)
         out[f"completion/mean_length_{source}"] = statistics.mean(r["length"] for r in part)
+    calls = [c for r in students for c in r["tool_calls"]]
+    if a.tools:
+        out.update({"tools/calls": len(calls) / len(students), "tools/call_frac": statistics.mean(
+            bool(r["tool_calls"]) for r in students), "tools/errors": sum("error" in c for c in calls) / max(
+            len(calls), 1), "tools/timeouts": sum(c.get("timeout", False) for c in calls) / max(len(calls), 1)})
     return out
 
 
@@ -669,6 +840,7 @@ def collate(groups: list[dict], pad_id: int, device) -> dict:
     attn = torch.zeros(len(rows), P + C, dtype=torch.long)
     mask = torch.zeros(len(rows), C)  # (N, C)
     sampler_logp = torch.full((len(rows), C), math.nan)  # (N, C); NaN where unknown (teacher rows)
+    tool_mask = torch.ones(len(rows), C)  # (N, C): 1 on the model's tokens, 0 on a tool's (--tools)
     per_fn = [[float(v[i]) if i < len(v) else math.nan for v in g["per_fn"].values()] for g, i in rows]
     for r, (g, i) in enumerate(rows):
         prompt, comp = g["prompt_ids"], g["completions"][i]
@@ -677,7 +849,9 @@ def collate(groups: list[dict], pad_id: int, device) -> dict:
         attn[r, P - len(prompt):] = 1  # after-EOS padding stays attended: causal, masked out of the loss
         mask[r, :len(comp)] = 1
         sampler_logp[r, :len(comp)] = g["sampler_logp"][i]
-    batch = dict(input_ids=ids, attention_mask=attn, mask=mask, sampler_logp=sampler_logp,
+        if "tool_mask" in g:  # (groups made by hand may have none)
+            tool_mask[r, :len(comp)] = g["tool_mask"][i]
+    batch = dict(input_ids=ids, attention_mask=attn, mask=mask, sampler_logp=sampler_logp, tool_mask=tool_mask,
                  reward=torch.tensor([float(g["rewards"][i]) for g, i in rows]),  # (N,)
                  per_fn=torch.tensor(per_fn or [[]])[:len(rows)],  # (N, K), (0, 0) with no row
                  order=torch.tensor([g["order"] for g, _ in rows], dtype=torch.long),  # the group's place
@@ -768,6 +942,10 @@ def step_terms(s: dict, a: Args):
     every rank's rows."""
     R, mask, stats, G = s["reward"], s["mask"], {}, a.num_generations + a.teacher_per_group
     words = {"R": "", "m": "1 up to and including the first EOS"}
+    if a.tools:  # a tool's result is context, not the model's action: no loss, KL, entropy, weight or count there
+        mask = mask * s["tool_mask"]
+        words["m"] = (f"1 on the model's tokens up to its last EOS, 0 on the results of ≤{a.max_tool_calls} "
+                      f"{a.tools} calls (≤{a.tool_timeout:g} s each) and the chat template's tokens around them")
     if a.kl_in_reward:  # as verl's use_kl_in_reward: k1 = log π_old - log π_ref summed over o_i
         kl = torch.where(mask > 0, s["old_logp"] - s["ref_logp"], 0).sum(-1)  # (M,)
         R = R - a.kl_in_reward * kl
@@ -781,7 +959,7 @@ def step_terms(s: dict, a: Args):
         words["A"] = "R_i - mean_{j≠i}(R_j) = G/(G-1)·(R_i - mean_g(R))"
     if a.adv_estimator == "reinforce_plus_plus_baseline":  # REINFORCE++ (2501.03262), as verl's: the group
         adv = rewards - rewards.mean(1, keepdim=True)  # mean out, then whitened over the step's tokens
-        L = s["mask"].sum(-1).view_as(adv)  # (a completion weighs by its length)
+        L = mask.sum(-1).view_as(adv)  # (a completion weighs by its length)
         mean = (L * adv).sum() / L.sum()
         adv = (adv - mean) * torch.rsqrt((L * (adv - mean) ** 2).sum() / (L.sum() - 1) + 1e-8)
         flat = flat & False  # whitened: an equal-reward group's A is not 0
@@ -967,7 +1145,8 @@ def probe(a: Args):
         return torch.rand(G, 3, generator=gen).log()
     rows = dict(reward=torch.arange(G, dtype=torch.float), order=torch.zeros(G, dtype=torch.long),
                 mask=torch.ones(G, 3), truncated=torch.zeros(G, dtype=torch.bool),
-                is_teacher=torch.zeros(G, dtype=torch.bool), sampler_logp=made_up(), per_fn=made_up())
+                is_teacher=torch.zeros(G, dtype=torch.bool), sampler_logp=made_up(), per_fn=made_up(),
+                tool_mask=torch.ones(G, 3))
     step = collections.defaultdict(made_up, rows, adv=torch.zeros(G, 1))  # A = 0
     words = step_terms(step, a)[-1]
     logp = made_up().requires_grad_()
@@ -1067,7 +1246,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1 - math.comb(n - c, k) / math.comb(n, k)
 
 @torch.no_grad()
-def evaluate(model, tok, examples: list[dict], a: Args, rank: int = 0, world: int = 1, sampler=None) -> dict:
+def evaluate(model, tok, examples: list[dict], a: Args, rank: int = 0, world: int = 1, sampler=None,
+             tools=None) -> dict:
     """Greedy accuracy on held-out prompts, split over ranks; with --eval-samples k, also mean@k and pass@j
     of k samples a prompt, drawn from a random stream of their own (the run's is untouched)."""
     def n_correct(n: int, **kw) -> list[int]:  # correct completions of n a prompt, every rank's prompts
@@ -1076,8 +1256,8 @@ def evaluate(model, tok, examples: list[dict], a: Args, rank: int = 0, world: in
         counts = []
         for i in range(0, len(mine), per_call):
             chunk = mine[i:i + per_call]
-            texts = [chat_prompt(tok, ex["prompt"], a.system_prompt) for ex in chunk]
-            comps = generate(model, tok, texts, n, a, sampler=sampler, **kw)[1]
+            texts = [chat_prompt(tok, ex["prompt"], a.system_prompt, tools) for ex in chunk]
+            comps = generate(model, tok, texts, n, a, sampler=sampler, tools=tools, **kw)[1]
             texts = tok.batch_decode(comps, skip_special_tokens=True)
             for j, ex in enumerate(chunk):
                 counts.append(sum(is_correct(t, ex["answer"]) for t in texts[j * n:(j + 1) * n]))
@@ -1184,6 +1364,7 @@ def sample_rows(groups: list[dict], step: int) -> list[dict]:
              "rewards": None if teacher else {k: v[i].item() for k, v in g["per_fn"].items()},
              "reward": g["rewards"][i].item(), "adv": g["adv"][i].item() if "adv" in g else None,
              "length": len(g["completions"][i]), "truncated": bool(g["truncated"][i]),
+             "tool_calls": g["tool_calls"][i],
              "correct": is_correct(text, g["answer"])}
             for g in groups for i, (text, teacher) in enumerate(zip(g["texts"], g["is_teacher"]))]
 
@@ -1266,9 +1447,10 @@ def start(a: Args):
     torch.manual_seed(a.seed)  # the same LoRA init on every rank
     model, tok, ref_model = load_model(a, device, ckpt if a.resume else None)
     pool = load_teacher_pool(a, train, tok) if a.teacher_pool else None
+    tools = load_tools(a, tok)
     sampler = None
     if a.compile_generate == "on" or a.compile_generate == "auto" and device.type == "cuda":
-        texts = [chat_prompt(tok, ex["prompt"], a.system_prompt) for ex in train + evals]
+        texts = [chat_prompt(tok, ex["prompt"], a.system_prompt, tools) for ex in train + evals]
         longest = max(len(ids) for ids in tok(texts, add_special_tokens=not tok.chat_template).input_ids)
         sampler = compile_sampler(model, a, longest, world)
     opt = make_optimizer(a, model)
@@ -1287,7 +1469,7 @@ def start(a: Args):
     run = argparse.Namespace(  # done: the last completed step's state; saved: the last checkpoint's step
         rank=rank, world=world, device=device, model=model, tok=tok, ref_model=ref_model, opt=opt, bar=bar,
         sampler=sampler, reward_fns=reward_fns, pool=pool, evals=evals, stream=stream, start=state["step"],
-        done=state, saved=state["step"], busy=False, stop=0, flat=0, bad_steps=0)
+        done=state, saved=state["step"], busy=False, stop=0, flat=0, bad_steps=0, tools=tools)
     if rank == 0:
         open_output(run, a)
     return run
@@ -1379,7 +1561,7 @@ def main(argv=None):
     on_signal(run)
     try:
         if a.eval_every and run.evals and run.start == 0:  # where the run starts from, as papers report it
-            m = evaluate(run.model, run.tok, run.evals, a, run.rank, run.world, run.sampler)
+            m = evaluate(run.model, run.tok, run.evals, a, run.rank, run.world, run.sampler, run.tools)
             if run.rank == 0:
                 run.log.write(json.dumps({"step": 0, **m}) + "\n")
                 if a.wandb_project:  # as every line of the log
@@ -1390,7 +1572,7 @@ def main(argv=None):
                 raise KeyboardInterrupt
             run.t0 = time.time()
             groups, m, generated = rollout(run.model, run.tok, run.stream, run.reward_fns, run.pool, a,
-                                           run.sampler, run.rank, run.world)
+                                           run.sampler, run.rank, run.world, run.tools)
             run.busy = True  # from here to the end of the step (or of the run), a signal waits for it
             t1 = time.time()
             m["lr"] = a.learning_rate * min(1, step / max(1, a.warmup_steps))  # linear warm-up, then constant
@@ -1400,7 +1582,8 @@ def main(argv=None):
                 m.update(train_step(run.model, run.ref_model, run.opt, groups, a))
             m["time/train"] = time.time() - t1
             if a.eval_every and run.evals and (step % a.eval_every == 0 or step == a.max_steps):
-                m.update(evaluate(run.model, run.tok, run.evals, a, run.rank, run.world, run.sampler))
+                m.update(evaluate(run.model, run.tok, run.evals, a, run.rank, run.world, run.sampler,
+                                  run.tools))
             if end_step(run, a, step, m, generated):
                 break
     except BaseException as e:  # a signal outside an update (KeyboardInterrupt), or an error

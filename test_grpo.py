@@ -896,7 +896,7 @@ def test_evaluate_reports_greedy_mean_and_pass_at_k(loaded, monkeypatch):
     a = replace(a, eval_samples=4)
     right = {"p0": 0, "p1": 1, "p2": 3}  # right sampled answers per prompt; greedy is right on p2 only
 
-    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None):
+    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None):
         prompts = [next(p for p in right if p in t) for t in texts]
         answers = [("7" if greedy and p == "p2" else "0") if greedy else ("7" if i < right[p] else "0")
                    for p in prompts for i in range(n)]
@@ -1253,7 +1253,7 @@ def test_reward_functions_get_the_record_s_fields_and_the_length(tmp_path):
     assert total.item() == 1.5
     assert seen == [("all", "", {"prompt": "Write f.", "tests": ["assert f() == 1"], "length": 5}),
                     ("some", "", "Write f.")]
-    assert grpo.load_examples(write(tmp_path / "d.jsonl", [json.dumps(ex)]), "train", False, fns) == [ex]
+    assert grpo.load_examples(write(tmp_path / "d.jsonl", [json.dumps(ex)]), "train", False, fns, {"length": 0}) == [ex]
     with pytest.raises(SystemExit, match="reward 'none' raised TypeError: .*unexpected keyword argument 'prompt'"):
         grpo.score(["x"], [ex], [1], [("none", lambda c, ans: 3.0, 1.0)], a)
 
@@ -1478,7 +1478,7 @@ def test_dry_run_shows_every_flag_that_changes_the_objective():
     every_term = grpo.Args(dynamic_sampling=True, overlong_penalty=True, overlong_buffer=10, soft_reweight=True,
                            beta=0.1, teacher_pool="pool.jsonl", teacher_per_group=2, split_grads=True,
                            top_k_groups=2, mask_truncated=True, tis=2.0, dual_clip=3.0, num_iterations=2,
-                           reward_fn="rw.py:f")
+                           reward_fn="rw.py:f", tools="calculator")
     bases = [every_term, grpo.Args()] + [replace(every_term, surrogate=s, dual_clip=0.0)
                                          for s in ("sapo", "clip_cov", "kl_cov")]
     def formula(a):
@@ -1743,7 +1743,7 @@ def test_sampling_ignores_the_model_s_own_generation_defaults(tmp_path):
                      eos_token_id=2).save_pretrained(path)
     a = grpo.parse_args(["--model", path, "--max-new-tokens", "8"])
     model, tok, _ = grpo.load_model(a, torch.device("cpu"))
-    _, comps, _, _ = grpo.generate(model, tok, [grpo.chat_prompt(tok, "1+1?", "")], 8, a)
+    _, comps, _, _ = grpo.generate(model, tok, [grpo.chat_prompt(tok, "1+1?", "")], 8, a)[:4]
     assert len({tuple(c.tolist()) for c in comps}) > 1
     assert model.generation_config.eos_token_id == [tok.eos_token_id]
 
@@ -1759,7 +1759,7 @@ def test_every_eos_id_of_the_model_ends_a_completion(eos_dir):
     assert model.generation_config.eos_token_id == sorted(eos) and len(eos) == 22
     torch.manual_seed(0)
     texts = [grpo.chat_prompt(tok, t, a.system_prompt) for t in TEXTS]
-    _, comps, truncated, logps = grpo.generate(model, tok, texts, 8, a)
+    _, comps, truncated, logps = grpo.generate(model, tok, texts, 8, a)[:4]
     for c, cut, lp in zip(comps, truncated, logps):
         ends = [i for i, t in enumerate(c.tolist()) if t in eos]
         assert ends == ([] if cut else [len(c) - 1]) and (len(c) == 12 or not cut) and len(lp) == len(c)
@@ -2140,10 +2140,10 @@ def test_the_overlong_penalty_reaches_the_reward(loaded, monkeypatch):
     a = grpo.parse_args(["--algo", "dapo", "--overlong-buffer", "4"] + TINY)
     lengths, cut = [2, 8, 9, 11, 12, 12, 3, 10], [False] * 5 + [True] + [False] * 2
 
-    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None):
+    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None):
         prompts = [torch.tensor(tok(t, add_special_tokens=False).input_ids) for t in texts]
         comps = [torch.tensor([7] * (k - 1) + [7 if c else tok.eos_token_id]) for k, c in zip(lengths, cut)]
-        return prompts, comps, cut, [torch.zeros(k) for k in lengths]
+        return prompts, comps, cut, [torch.zeros(k) for k in lengths], [torch.ones(k) for k in lengths], [[]] * 8
     monkeypatch.setattr(grpo, "generate", fake_generate)
     stream = grpo.prompt_stream(grpo.arithmetic_task(100, 0), 0)
     seen = []
@@ -2483,10 +2483,10 @@ def test_compiled_sampler_draws_what_the_uncompiled_one_draws(loaded, loaded_bf1
     model = copy.deepcopy(model)
     texts = [grpo.chat_prompt(tok, t, a.system_prompt) for t in TEXTS]
     torch.manual_seed(0)
-    plain = grpo.generate(model, tok, texts, a.num_generations, a)
+    plain = grpo.generate(model, tok, texts, a.num_generations, a)[:4]
     sampler = grpo.compile_sampler(model, a, prompt_len=300)
     torch.manual_seed(0)
-    prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a, sampler=sampler)
+    prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a, sampler=sampler)[:4]
     same = [torch.equal(x, y) for x, y in zip(plain[1], comps)]
     assert all(same) if dtype == "fp32" else sum(same) >= len(same) - 2, same  # bf16: a near-tie may flip a draw
     assert [torch.equal(x, y) for x, y in zip(plain[0], prompts)] and truncated == plain[2]
@@ -2508,7 +2508,7 @@ def test_compiled_sampler_reads_this_step_s_weights_and_compiles_once(loaded):
     sampler = grpo.compile_sampler(model, a, prompt_len=300)
     opt = grpo.make_optimizer(a, model)
     ptrs = [p.data_ptr() for p in model.parameters()]
-    prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a, sampler=sampler)
+    prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a, sampler=sampler)[:4]
     old = copy.deepcopy(model)
     with torch.compiler.set_stance("fail_on_recompile"):
         for step in range(2):
@@ -2519,7 +2519,7 @@ def test_compiled_sampler_reads_this_step_s_weights_and_compiles_once(loaded):
             m = grpo.train_step(model, None, opt, groups, a)
             assert m["sampler/logp_gap"] < 1e-4  # sampled at the weights the trainer starts the step from
             grpo.generate(model, tok, texts[:1], 1, a, greedy=True, sampler=sampler)  # evaluation's: same shape
-            prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a, sampler=sampler)
+            prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a, sampler=sampler)[:4]
             now, mask = trainer_logps(model, tok, a, prompts, comps, 4)
             stale, _ = trainer_logps(old, tok, a, prompts, comps, 4)
             drawn = padded(logps, mask)
@@ -2542,7 +2542,7 @@ def test_the_sampler_draws_at_its_temperature(loaded, temperature):
     a = replace(a, temperature=temperature)
     texts = [grpo.chat_prompt(tok, t, a.system_prompt) for t in TEXTS]
     torch.manual_seed(0)
-    prompts, comps, _, _ = grpo.generate(model, tok, texts, 16, a)
+    prompts, comps, _, _ = grpo.generate(model, tok, texts, 16, a)[:4]
     groups = [dict(prompt_ids=p, completions=comps[i * 16:(i + 1) * 16], truncated=[False] * 16, order=i, per_fn={},
                    is_teacher=[False] * 16, rewards=torch.zeros(16), sampler_logp=[torch.zeros(1)] * 16)
               for i, p in enumerate(prompts)]
@@ -2591,7 +2591,7 @@ def test_the_sampler_s_logps_are_the_trainer_s_at_a_temperature_and_under_top_k_
     a = replace(a, **kw)
     texts = [grpo.chat_prompt(tok, t, a.system_prompt) for t in TEXTS]
     torch.manual_seed(0)
-    prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a)
+    prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a)[:4]
     logp, mask = trainer_logps(model, tok, a, prompts, comps, a.num_generations)
     drawn = padded(logps, mask)
     assert ((logp - drawn).abs() * mask).max() < 1e-4
@@ -2881,8 +2881,8 @@ def test_a_sampler_far_from_the_trainer_stops_the_run(tiny_dir, tmp_path, monkey
     real = grpo.generate
 
     def broken(*args, **kw):  # log-probs off by 1 nat, as a broken KV cache's or a stale weight's would be
-        prompts, comps, truncated, logps = real(*args, **kw)
-        return prompts, comps, truncated, [lp - 1.0 for lp in logps]
+        prompts, comps, truncated, logps, *tools = real(*args, **kw)
+        return prompts, comps, truncated, [lp - 1.0 for lp in logps], *tools
     monkeypatch.setattr(grpo, "generate", broken)
     with pytest.raises(SystemExit, match="the sampler's log-probs are 1.000 nat from the trainer's on average .*"
                                          "--compile-generate off"):
@@ -3527,14 +3527,15 @@ for case, schedule in SCHEDULES.items():
     groups = sum(grpo.all_gather([[g["prompt"], g["rewards"].tolist(), g["adv"].tolist()] for g in kept]), [])
     result[case] = [sorted(groups), {k: v for k, v in stats.items() if k.startswith(("groups/kept", "groups/gen",
                                                                                       "adv/"))}]
-def generate(model, tok, texts, n, a, greedy=False, sampler=None):  # completions set by each prompt's number k
+def generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None):  # completions set by a prompt's k
     rows = [(int(t.split("Question ")[1].split("?")[0]), j) for t in texts for j in range(n)]
     comps = [tok(f"\\boxed{{{k % 3 if greedy else (k + j) % 2}}}" + " so" * (k % 4 + j), add_special_tokens=False)
              .input_ids + [tok.eos_token_id] * ((k + j) % 3 > 0) for k, j in rows]  # (k + j) % 3 == 0: truncated
     prompts = [tok(t, add_special_tokens=False, return_tensors="pt").input_ids[0] for t in texts]
     odd = [places.index(f"Question {k}?") % 2 for k, _ in rows]  # its place in a round: odd on rank 1 of 2
     return (prompts, [torch.tensor(c) for c in comps], [(k + j) % 3 == 0 for k, j in rows],
-            [torch.full((len(c),), -30.0 * o) for o, c in zip(odd, comps)])  # the sampler's: 30 nat off on rank 1
+            [torch.full((len(c),), -30.0 * o) for o, c in zip(odd, comps)],  # the sampler's: 30 nat off on rank 1
+            [torch.ones(len(c)) for c in comps], [[] for _ in comps])
 def graded(completion, answer, prompt, **kw):  # prompts 3, 6, ...: an equal-reward group
     return 0.5 if int(prompt.split()[1][:-1]) % 3 == 0 else float(grpo.is_correct(completion, answer))
 grpo.generate = generate  # every rank's rows in the step's metrics and in the evaluation, as one process has them
