@@ -37,11 +37,9 @@ import os
 import pathlib
 import random
 import runpy
-import select
 import shutil
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -53,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from rewards import REWARDS, is_correct, overlong_penalty, reference_answer
+from rewards import REWARDS, calculator, is_correct, overlong_penalty, reference_answer
 
 
 def dash(name: str) -> str:
@@ -108,7 +106,7 @@ class Args:
     compile_generate: str = flag("auto", "compiled sampler (auto: with CUDA)", ("auto", "on", "off"))
     tools: str = flag("", "tools the model may call: calculator, PATH.py (its public functions), PATH.py:f,g")
     max_tool_calls: int = flag(8, "tool calls a completion at most (--tools)")
-    tool_timeout: float = flag(10.0, "seconds a tool call may run before its process is killed", bounds="(0, inf)")
+    tool_timeout: float = flag(10.0, "seconds a call may run, then its process is killed", bounds="(0, inf)")
     rewards: str = flag("correct", "built-in rewards, weighted: correct:1,format:0.2 (rewards.py)")  # reward
     reward_fn: str = flag("", "your own reward, PATH.py:FUNCTION; used alone unless --rewards is given")
     overlong_penalty: bool = flag(False, "DAPO §3.4 soft overlong punishment added to the reward")
@@ -357,7 +355,7 @@ def load_data(a: Args, reward_fns=()) -> tuple[list[dict], list[dict]]:
         train = arithmetic_task(20000, a.seed)
         evals = [] if a.eval_dataset else arithmetic_task(a.eval_prompts, 0, held_out=True)
     else:
-        train = load_examples(a.dataset, "train", graded, reward_fns, reward_keywords(a, [0])[0])
+        train = load_examples(a.dataset, "train", graded, reward_fns, reward_keywords(a, 0))
     if a.eval_dataset:
         evals = load_examples(a.eval_dataset, "test", graded)  # (no reward sees them)
     return train[:a.max_samples or None], evals[:a.eval_prompts]
@@ -455,62 +453,51 @@ def chat_prompt(tok, prompt: str, system: str, tools: dict | None = None) -> str
         return prompt
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": prompt})
-    schemas = tools["schemas"] if tools else None  # --tools: rendered as the model was trained to read them
+    schemas = tools and tools["schemas"]  # --tools: shown as the model was trained to read them
     return tok.apply_chat_template(messages, tools=schemas, tokenize=False, add_generation_prompt=True)
 
-def completion_mask(ids: torch.Tensor, eos_ids) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids (N, C) -> mask (N, C): 1 up to and including the first EOS, 0 after; truncated (N,): no EOS.
-    By position, never by `ids == pad`: with pad == eos that would drop the EOS, an action to learn."""
+def completion_mask(ids: torch.Tensor, eos_ids) -> torch.Tensor:
+    """ids (N, C) -> mask (N, C): 1 up to and including the first EOS, 0 after. By position, never by
+    `ids == pad`: with pad == eos that would drop the EOS, an action to learn."""
     is_eos = torch.isin(ids, torch.as_tensor(eos_ids, device=ids.device))
     first = torch.where(is_eos.any(1), is_eos.int().argmax(1), ids.shape[1])  # (N,)
-    mask = torch.arange(ids.shape[1], device=ids.device)[None] <= first[:, None]
-    return mask, ~is_eos.any(1)
+    return torch.arange(ids.shape[1], device=ids.device)[None] <= first[:, None]
 
-@torch.no_grad()
 def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False, sampler=None, tools=None):
-    """n completions a prompt, each drawn until EOS or T tokens. With --tools, a turn that ends in tool calls
-    (parse_tool_calls) gets their results as the chat template renders them (tool_turn), and its row draws on:
-    T tokens in all, --max-tool-calls calls at most. Returns the prompt ids, the completions, truncated (not
-    ended by EOS), the sampler's log-prob of each token (NaN at the tool's and when greedy), each completion's
-    tool mask (1 on the model's tokens, 0 on the tool's: results and the template's words) and its calls."""
+    """n completions a prompt, drawn until EOS or T tokens; with --tools a turn that ends in calls gets their
+    results (tool_turn) and draws on, T tokens in all. -> prompt ids, completions, truncated (no EOS at the
+    end), the sampler's log-probs (NaN: a tool's, or greedy), tool masks (0: a tool's token) and the calls."""
     eos = model.generation_config.eos_token_id
     prompts = [torch.tensor(ids) for ids in tok(texts, add_special_tokens=not tok.chat_template).input_ids]
-    pieces = [[] for _ in range(len(texts) * n)]  # a row's (tokens, sampler log-probs, 1: the model's, 0: not)
+    pieces = [[] for _ in range(len(texts) * n)]  # a row's (tokens, sampler log-probs, tool mask), in order
     calls = [[] for _ in pieces]
     todo = list(range(len(pieces)))  # the rows still drawing
     while todo:
         held = [torch.cat([prompts[i // n]] + [ids for ids, _, _ in pieces[i]]) for i in todo]
-        room = [a.max_new_tokens - len(h) + len(prompts[i // n]) for i, h in zip(todo, held)]  # of T, left
-        drawn, logp = sample(model, held, max(room), a, greedy, sampler)
+        room = [a.max_new_tokens - len(h) + len(prompts[i // n]) for i, h in zip(todo, held)]  # what T leaves
+        drawn, logp = sample(model, tok, held, max(room), a, greedy, sampler)
         going = []
-        for i, ids, lp, m, left in zip(todo, drawn, logp, completion_mask(drawn, eos)[0], room):
+        for i, ids, lp, m, left in zip(todo, drawn, logp, completion_mask(drawn, eos), room):
             turn = ids[m][:left]  # up to its first EOS, within T
-            pieces[i].append((turn, lp[m][:left], 1))
+            pieces[i].append((turn, lp[m][:left], torch.ones(len(turn))))
             found = parse_tool_calls(tok.decode(turn)) if tools and turn[-1].item() in eos else []
             if not found or len(calls[i]) + len(found) > a.max_tool_calls or len(turn) == left:
                 continue  # the completion ends with this turn
             calls[i] += [run_tool(tools, call) for call in found]
             result = torch.tensor(tool_turn(tok, eos, calls[i][-len(found):], left - len(turn)))
-            pieces[i].append((result, torch.full(result.shape, math.nan), 0))
+            pieces[i].append((result, torch.full(result.shape, math.nan), torch.zeros(len(result))))
             if len(turn) + len(result) < left:
                 going.append(i)
         todo = going
-    comps = [torch.cat([ids for ids, _, _ in p]) for p in pieces]
-    logps = [torch.cat([lp for _, lp, _ in p]) for p in pieces]
-    tool_masks = [torch.cat([torch.full(ids.shape, float(mine)) for ids, _, mine in p]) for p in pieces]
+    comps, logps, tool_masks = ([torch.cat([piece[k] for piece in p]) for p in pieces] for k in range(3))
     return prompts, comps, [c[-1].item() not in eos for c in comps], logps, tool_masks, calls
 
-def sample(model, held: list[torch.Tensor], new_tokens: int, a: Args, greedy: bool = False, sampler=None):
-    """A turn of each row: tokens drawn after what it holds (its prompt; with tools, and what it drew and was
-    given since), left padded, and the sampler's log-prob of each (NaN when greedy), (N, C) on the CPU.
-    sampler: compile_sampler's one shape for all calls (new_tokens: T, for the same shape)."""
+def sample(model, tok, held: list[torch.Tensor], new_tokens: int, a: Args, greedy=False, sampler=None):
+    """A turn of each row: the tokens drawn after what it holds (its prompt, and what it drew and was given
+    since) and their log-probs (NaN when greedy), (N, C) on the CPU. sampler: compile_sampler's one shape."""
     extra = -len(held) % sampler["rows"] if sampler else 0  # rows added for the one shape, dropped after
-    P = sampler["prompt_len"] if sampler else max(len(h) for h in held)
-    ids = torch.full((len(held) + extra, P), model.generation_config.pad_token_id)  # (rows, P)
-    attn = torch.zeros_like(ids)
-    for r, h in enumerate(held + held[-1:] * extra):
-        ids[r, P - len(h):] = h
-        attn[r, P - len(h):] = 1
+    enc = tok.pad({"input_ids": held + held[-1:] * extra}, padding="max_length" if sampler else True,
+                  max_length=sampler and sampler["prompt_len"], return_tensors="pt").to(model.device)  # left
     steps, last, finite = [], [], []  # one step's (rows, V) log-probs are kept at a time, never (rows, T, V)
     def record(input_ids, scores):  # before each draw, on raw logits (ahead of temperature and top-k/p)
         if last:  # input_ids ends with the previous draw
@@ -528,14 +515,13 @@ def sample(model, held: list[torch.Tensor], new_tokens: int, a: Args, greedy: bo
         new_tokens = a.max_new_tokens
     model.eval()
     with autocast(a, model.device):
-        out = model.generate(input_ids=ids.to(model.device), attention_mask=attn.to(model.device),
-                             max_new_tokens=new_tokens, logits_processor=[record], **kw)
+        out = model.generate(**enc, max_new_tokens=new_tokens, logits_processor=[record], **kw)
     model.train()
     if not torch.stack(finite).all():
         fail("the model's logits are not finite: training diverged; lower --learning-rate")
     if last:  # the last draw
         steps.append(last.pop().gather(1, out[:, -1:])[:, 0])
-    comp = out[:len(held), P:]  # (N, C)
+    comp = out[:len(held), enc.input_ids.shape[1]:]  # (N, C)
     logp = torch.stack(steps, 1)[:len(comp)] if steps else torch.full(comp.shape, math.nan, device=out.device)
     return comp.cpu(), logp.cpu()
 
@@ -551,115 +537,83 @@ def compile_sampler(model, a: Args, prompt_len: int, world: int = 1) -> dict | N
         config = CompileConfig(dynamic=False, backend="eager", mode=None)
     config._compile_all_devices = True
     rows = a.prompts_per_step // world * a.num_generations
-    if a.tools:  # a row goes on after a tool's result: what it holds then, up to a prompt and T tokens
-        prompt_len += a.max_new_tokens
+    prompt_len += a.max_new_tokens if a.tools else 0  # --tools: a row draws on after results, all it holds
     return dict(prompt_len=prompt_len, rows=rows, compile_config=config)
 
-# ----------------------------------------------------------------------------- tools (generate calls them)
-def parse_tool_calls(text: str) -> list:
-    """The calls a turn makes, in Qwen2.5's format (Hermes'): '<tool_call>\\n{"name": ..., "arguments": {...}}\\n
-    </tool_call>', one or more; a call's JSON, or where it is none its text (an error the model is told).
-    FORKER: another model family's format is this function."""
+def parse_tool_calls(text: str) -> list[dict]:
+    """The calls a turn makes, in Qwen2.5's (Hermes') format, <tool_call>{"name": ..., "arguments": {...}}
+    </tool_call>, one or more; one not so is kept as its text. FORKER: another family's format goes here."""
     calls = []
     for part in text.split("<tool_call>")[1:]:
-        body, closed, _ = part.partition("</tool_call>")
-        if closed:
-            try:
-                calls.append(json.loads(body))
-            except ValueError:
-                calls.append(body)
+        body = part.partition("</tool_call>")[0]
+        try:
+            call = json.loads(body)
+            calls.append({"name": call["name"], "arguments": call["arguments"]})
+        except (ValueError, TypeError, KeyError):  # not JSON, not an object, without either
+            calls.append({"name": None, "arguments": body})
     return calls
 
 def tool_turn(tok, eos: list[int], calls: list[dict], room: int) -> list[int]:
-    """The tokens from the end of a turn that made `calls` to the start of the next: each call's result as a
-    tool message, then the generation prompt, as the chat template renders them (as TRL's), at most `room`
-    (a result is first cut at 8 characters a token of room: a megabyte is never tokenized)."""
+    """The tokens from a turn that made calls to the next: each result as a tool message, then the generation
+    prompt, as the chat template renders them (as TRL's), within room: a result is cut at 8 chars a token."""
     chat = [{"role": "user", "content": ""}, {"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "function": {"name": c["name"], "arguments": {}}} for c in calls]}]
     results = [{"role": "tool", "name": c["name"], "content": c["result"][:8 * room]} for c in calls]
-    head = tok.apply_chat_template(chat, tokenize=True, return_dict=False)
-    full = tok.apply_chat_template(chat + results, tokenize=True, return_dict=False, add_generation_prompt=True)
+    head = tok.apply_chat_template(chat, return_dict=False)
+    full = tok.apply_chat_template(chat + results, return_dict=False, add_generation_prompt=True)
     end = max(i for i, t in enumerate(head) if t in eos) + 1  # after the turn's EOS, the model's own
     if full[:end] != head[:end]:
         fail("--tools: the chat template renders a turn that made calls otherwise once results follow it")
     return full[end:end + room]
 
-TOOL_WORKER = r"""if True:  # run by `python -c`: a fresh interpreter, without torch, in a directory of its own
-    import inspect, json, os, runpy, sys
-    requests = os.fdopen(os.dup(0), encoding="utf-8")
-    replies = os.fdopen(os.dup(1), "w", encoding="utf-8", errors="replace")  # a lone surrogate sent as '?'
-    for fd in range(3):  # what a tool reads, prints or logs: /dev/null
-        os.dup2(os.open(os.devnull, os.O_RDWR), fd)
-    sys.path[:0] = [sys.argv[1], os.path.dirname(sys.argv[2])]  # rewards.py's directory, the tool file's
+def load_tools(a: Args, tok) -> dict:
+    """--tools: their JSON schemas (transformers' get_json_schema, from type hints and docstrings, as TRL's),
+    and the process their calls run in (TOOL_WORKER). A file that does not load: one line, at start-up."""
+    from transformers.utils import get_json_schema
+    path, names = split_path(a.tools)
+    if a.tools == "calculator":  # the built-in, rewards.py's
+        path, names = inspect.getfile(calculator), ":calculator"
     try:
-        if sys.argv[2] == "calculator":
-            from rewards import calculator
-            tools = {"calculator": calculator}
-        else:
-            found = runpy.run_path(sys.argv[2])
-            public = [k for k, v in found.items() if inspect.isfunction(v) and v.__module__ == "<run_path>"]
-            names = sys.argv[3].split(",") if sys.argv[3] else [k for k in public if not k.startswith("_")]
-            tools = {name: found[name] for name in names if name in public or {}[f"no function {name}"]}
-    except BaseException as e:  # said at start-up, where the schemas are asked for
-        tools = e
-    for line in requests:
-        name, arguments = json.loads(line)
+        found = runpy.run_path(path)  # as --reward-fn's file; the calls run in a process of their own
+        public = [k for k, v in found.items() if inspect.isfunction(v) and v.__module__ == "<run_path>"]
+        chosen = names[1:].split(",") if names else [k for k in public if not k.startswith("_")]
+        schemas = [get_json_schema(found[k]) for k in chosen]
+    except (Exception, SystemExit) as e:
+        fail(f"--tools {a.tools!r}: {type(e).__name__}: {e}")
+    shown = chat_prompt(tok, "", "", {"schemas": schemas})
+    if not schemas or not all(s["function"]["name"] in shown for s in schemas):
+        fail(f"--tools {a.tools!r}: no tool, or a chat template (--model's) that shows none: {shown[:60]!r}")
+    tool_turn(tok, [tok.eos_token_id], [{"name": "f", "result": ""}], 1)  # a tool message renders
+    return dict(schemas=schemas, names=chosen, argv=[sys.executable, "-c", TOOL_WORKER, path], proc=None,
+                timeout=a.tool_timeout, dir=tempfile.TemporaryDirectory(prefix="grpo_tools_"))
+
+TOOL_WORKER = r"""if True:  # `python -c`: a fresh interpreter (without torch) in a directory of its own
+    import json, os, runpy, sys
+    replies = os.fdopen(os.dup(1), "w", encoding="utf-8", errors="replace")  # (a lone surrogate sent as '?')
+    for fd in (1, 2):  # what a tool prints or logs: /dev/null
+        os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+    sys.path.insert(0, os.path.dirname(sys.argv[1]))  # the tools file's directory, as when it is run
+    tools = runpy.run_path(sys.argv[1])
+    for name, arguments in map(json.loads, sys.stdin):
         try:
-            if isinstance(tools, BaseException):
-                raise tools
-            if name == "":  # start-up: the schemas, from type hints and docstrings (as TRL's)
-                from transformers.utils import get_json_schema
-                result = json.dumps([get_json_schema(fn) for fn in tools.values()])
-            elif name not in tools:
-                raise LookupError(f"no tool {name!r}: the tools are {', '.join(tools)}")
-            else:
-                result = str(tools[name](**arguments))
-            reply = {"result": result}
+            reply = {"result": str(tools[name](**arguments))}
         except BaseException as e:
             reply = {"result": f"error: {type(e).__name__}: {e}", "error": True}
-        replies.write(json.dumps(reply, ensure_ascii=False) + "\n")
-        replies.flush()
+        print(json.dumps(reply, ensure_ascii=False), file=replies, flush=True)
 """
 
-def load_tools(a: Args, tok) -> dict | None:
-    """--tools: the process their calls run in (TOOL_WORKER; started again after a crash or a timeout), and
-    their JSON schemas, by transformers' get_json_schema from type hints and docstrings, as TRL's. A tools file
-    that fails to load, a function that is not there or has no schema: one line, at start-up."""
-    if not a.tools:
-        return None
-    path, names = split_path(a.tools)
-    if a.tools != "calculator" and not (path.endswith(".py") and os.path.isfile(path)):
-        fail(f"--tools {a.tools!r}: expected calculator (the built-in), PATH.py or PATH.py:FUNCTION,FUNCTION")
-    here = os.path.dirname(os.path.abspath(__file__))
-    tools = dict(argv=[sys.executable, "-c", TOOL_WORKER, here, path, names[1:]], proc=None, timeout=600,
-                 dir=tempfile.TemporaryDirectory(prefix="grpo_tools_"))  # (its start imports transformers)
-    reply = run_tool(tools, {"name": "", "arguments": {}})
-    if reply.get("error"):
-        fail(f"--tools {a.tools!r}: {reply['result'].removeprefix('error: ')}")
-    tools.update(schemas=json.loads(reply["result"]), timeout=a.tool_timeout)
-    shown = chat_prompt(tok, "", "", tools)
-    if not tools["schemas"] or not all(s["function"]["name"] in shown for s in tools["schemas"]):
-        fail(f"--tools: no tool, or a chat template (--model's) that does not show them: {shown[:80]!r}")
-    tool_turn(tok, tok.convert_tokens_to_ids([tok.eos_token]), [{"name": "f", "result": ""}], 1)  # it renders
-    return tools
-
-def run_tool(tools: dict, call) -> dict:
-    """A call, run in the tools' process: {name, arguments, result (the text the model is given)} and "error"
-    where it failed (it raised, no such tool, arguments that are no JSON object, a crash, a timeout), "timeout"
-    where it ran past --tool-timeout and its process was killed."""
-    if not (isinstance(call, dict) and isinstance(call.get("name"), str) and type(call.get("arguments")) is dict):
-        return {"name": "", "arguments": call, "error": True,
-                "result": 'error: a call is {"name": <function-name>, "arguments": <args-json-object>} in JSON'}
+def run_tool(tools: dict, call: dict) -> dict:
+    """A call, in the tools' process (started again after a crash or a timeout): the call, its result (what
+    the model reads) and "error" if it failed: no such tool, no JSON object, it raised, crashed, timed out."""
+    import select  # (only the tools' process needs these two)
+    import subprocess
+    if call["name"] not in tools["names"] or type(call["arguments"]) is not dict:
+        return {**call, "result": f"error: call one of {tools['names']} with a JSON object", "error": True}
     if tools["proc"] is None or tools["proc"].poll() is not None:
-        tools["proc"] = subprocess.Popen(tools["argv"], cwd=tools["dir"].name, stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, encoding="utf-8",
-                                         start_new_session=True)  # (Ctrl-C is the run's, not the tools')
+        tools["proc"] = subprocess.Popen(tools["argv"], cwd=tools["dir"].name, encoding="utf-8",
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     proc = tools["proc"]
-    try:
-        proc.stdin.write(json.dumps([call["name"], call["arguments"]]) + "\n")
-        proc.stdin.flush()
-    except OSError:  # it died since the last call: the read below says so
-        pass
+    print(json.dumps([call["name"], call["arguments"]]), file=proc.stdin, flush=True)
     ready = select.select([proc.stdout], [], [], tools["timeout"])[0]
     line = proc.stdout.readline() if ready else ""
     if line.endswith("\n"):
@@ -667,7 +621,7 @@ def run_tool(tools: dict, call) -> dict:
     proc.kill()
     proc.wait()
     why = f"ran past --tool-timeout {tools['timeout']:g} s" if not ready else f"exit code {proc.returncode}"
-    return {**call, "result": f"error: the tool's process was ended ({why})", "error": True, "timeout": not ready}
+    return {**call, "result": f"error: its process was ended ({why})", "error": True, "timeout": not ready}
 
 # ----------------------------------------------------------------------------- reward and groups
 def build_rewards(a: Args) -> list[tuple[str, object, float]]:
@@ -708,10 +662,10 @@ def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns
     per_fn = {}
     for name, fn, weight in reward_fns:
         values = []
-        for text, ex, kw in zip(texts, examples, reward_keywords(a, lengths, calls)):
+        for text, ex, n, c in zip(texts, examples, lengths, calls or [0] * len(texts)):
             fields = {k: v for k, v in ex.items() if k != "answer"}
             try:
-                values.append(fn(text, ex["answer"], **fields, **kw))
+                values.append(fn(text, ex["answer"], **fields, **reward_keywords(a, n, c)))
             except (Exception, SystemExit) as e:  # a user's reward: say which one and why, then stop
                 fail(f"reward {name!r} raised {type(e).__name__}: {e}")
             if not finite32(values[-1]):
@@ -724,12 +678,8 @@ def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns
         words = f" + overlong(L_cache={a.overlong_buffer})"
     return total, per_fn, words
 
-def reward_keywords(a: Args, lengths: list[int], calls=None) -> list[dict]:
-    """`length`: a completion's tokens, the tools' with the model's, as T counts them; with --tools, `tool_calls`:
-    how many calls it made."""
-    if not a.tools:
-        return [{"length": n} for n in lengths]
-    return [{"length": n, "tool_calls": c} for n, c in zip(lengths, calls or [0] * len(lengths))]
+def reward_keywords(a: Args, length: int, calls: int = 0) -> dict:  # tokens, the tools' too (as T counts)
+    return dict(length=length, tool_calls=calls) if a.tools else dict(length=length)  # --tools: calls made
 
 def select_groups(rewards: torch.Tensor, a: Args) -> tuple[torch.Tensor, bool, str]:
     """rewards (n, G): every rank's groups so far, in sampling order -> the indices of those to train, whether
@@ -773,8 +723,8 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, sampler=None, rank=0,
         batch = [next(stream) for _ in range(a.prompts_per_step)][rank::world]  # whole groups per rank
         t0 = time.time()
         texts = [chat_prompt(tok, ex["prompt"], a.system_prompt, tools) for ex in batch]
-        prompts, comps, truncated, logps, tool_masks, calls = generate(model, tok, texts, G_s, a, sampler=sampler,
-                                                                       tools=tools)
+        prompts, comps, truncated, logps, masks, calls = generate(model, tok, texts, G_s, a, sampler=sampler,
+                                                                  tools=tools)
         t1 = time.time()
         texts = tok.batch_decode(comps, skip_special_tokens=True)
         rewards, per_fn, _ = score(texts, [ex for ex in batch for _ in range(G_s)], [len(c) for c in comps],
@@ -790,7 +740,7 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, sampler=None, rank=0,
                 truncated=truncated[rows] + [False] * len(picks),
                 is_teacher=[False] * G_s + [True] * len(picks),  # teachers have no sampler log-probs:
                 sampler_logp=logps[rows] + [torch.full((len(ids),), math.nan) for _, ids, _ in picks],
-                tool_mask=tool_masks[rows] + [torch.ones(len(ids)) for _, ids, _ in picks],
+                tool_mask=masks[rows] + [torch.ones(len(ids)) for _, ids, _ in picks],
                 tool_calls=calls[rows] + [[]] * len(picks),
                 rewards=torch.cat([rewards[rows], torch.tensor([r for _, _, r in picks])]),
                 per_fn={k: v[rows] for k, v in per_fn.items()}))
@@ -805,8 +755,7 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, sampler=None, rank=0,
     return [g for g in generated if g["order"] in chosen], stats, generated
 
 def group_metrics(groups: list[dict], a: Args) -> dict:
-    """Rewards, lengths and accuracy (by `correct`, whatever trains) of every rank's completions; with --tools,
-    the calls a completion, the share of completions that call, and the shares of calls that failed, timed out."""
+    """Rewards, lengths and accuracy (by `correct`, whatever trains) of every rank's completions."""
     rows = sum(all_gather(sample_rows(groups, 0)), [])
     students = [r for r in rows if not r["teacher"]]
     reward = torch.tensor([r["reward"] for r in rows], dtype=torch.float64)
@@ -823,11 +772,11 @@ def group_metrics(groups: list[dict], a: Args) -> dict:
         part = [r for r in rows if r["teacher"] == (source == "teacher")]
         out[f"reward/mean_{source}"] = statistics.mean(r["reward"] for r in part)
         out[f"completion/mean_length_{source}"] = statistics.mean(r["length"] for r in part)
-    calls = [c for r in students for c in r["tool_calls"]]
-    if a.tools:
-        out.update({"tools/calls": len(calls) / len(students), "tools/call_frac": statistics.mean(
-            bool(r["tool_calls"]) for r in students), "tools/errors": sum("error" in c for c in calls) / max(
-            len(calls), 1), "tools/timeouts": sum(c.get("timeout", False) for c in calls) / max(len(calls), 1)})
+    if a.tools:  # calls a completion; the share of completions that call, of calls that fail, that time out
+        per = [len(r["tool_calls"]) for r in students]
+        calls = [c for r in students for c in r["tool_calls"]] or [{}]  # ({}: no call, no error)
+        out.update({"tools/calls": statistics.mean(per), "tools/call_frac": statistics.mean(map(bool, per))})
+        out.update({f"tools/{k}s": statistics.mean(c.get(k, 0) for c in calls) for k in ("error", "timeout")})
     return out
 
 
@@ -840,18 +789,15 @@ def collate(groups: list[dict], pad_id: int, device) -> dict:
     attn = torch.zeros(len(rows), P + C, dtype=torch.long)
     mask = torch.zeros(len(rows), C)  # (N, C)
     sampler_logp = torch.full((len(rows), C), math.nan)  # (N, C); NaN where unknown (teacher rows)
-    tool_mask = torch.ones(len(rows), C)  # (N, C): 1 on the model's tokens, 0 on a tool's (--tools)
     per_fn = [[float(v[i]) if i < len(v) else math.nan for v in g["per_fn"].values()] for g, i in rows]
     for r, (g, i) in enumerate(rows):
         prompt, comp = g["prompt_ids"], g["completions"][i]
         ids[r, P - len(prompt):P] = prompt
         ids[r, P:P + len(comp)] = comp
         attn[r, P - len(prompt):] = 1  # after-EOS padding stays attended: causal, masked out of the loss
-        mask[r, :len(comp)] = 1
+        mask[r, :len(comp)] = g["tool_mask"][i] if "tool_mask" in g else 1  # --tools: 0 on a tool's tokens
         sampler_logp[r, :len(comp)] = g["sampler_logp"][i]
-        if "tool_mask" in g:  # (groups made by hand may have none)
-            tool_mask[r, :len(comp)] = g["tool_mask"][i]
-    batch = dict(input_ids=ids, attention_mask=attn, mask=mask, sampler_logp=sampler_logp, tool_mask=tool_mask,
+    batch = dict(input_ids=ids, attention_mask=attn, mask=mask, sampler_logp=sampler_logp,
                  reward=torch.tensor([float(g["rewards"][i]) for g, i in rows]),  # (N,)
                  per_fn=torch.tensor(per_fn or [[]])[:len(rows)],  # (N, K), (0, 0) with no row
                  order=torch.tensor([g["order"] for g, _ in rows], dtype=torch.long),  # the group's place
@@ -942,10 +888,9 @@ def step_terms(s: dict, a: Args):
     every rank's rows."""
     R, mask, stats, G = s["reward"], s["mask"], {}, a.num_generations + a.teacher_per_group
     words = {"R": "", "m": "1 up to and including the first EOS"}
-    if a.tools:  # a tool's result is context, not the model's action: no loss, KL, entropy, weight or count there
-        mask = mask * s["tool_mask"]
-        words["m"] = (f"1 on the model's tokens up to its last EOS, 0 on the results of ≤{a.max_tool_calls} "
-                      f"{a.tools} calls (≤{a.tool_timeout:g} s each) and the chat template's tokens around them")
+    if a.tools:  # collate's mask: 0 on a tool's tokens, so no term, normaliser or |o_i| counts them
+        words["m"] = (f"1 on the model's tokens to its last EOS, 0 on the results of ≤{a.max_tool_calls} "
+                      f"{a.tools} calls (≤{a.tool_timeout:g} s each) and the template's tokens around them")
     if a.kl_in_reward:  # as verl's use_kl_in_reward: k1 = log π_old - log π_ref summed over o_i
         kl = torch.where(mask > 0, s["old_logp"] - s["ref_logp"], 0).sum(-1)  # (M,)
         R = R - a.kl_in_reward * kl
@@ -959,7 +904,7 @@ def step_terms(s: dict, a: Args):
         words["A"] = "R_i - mean_{j≠i}(R_j) = G/(G-1)·(R_i - mean_g(R))"
     if a.adv_estimator == "reinforce_plus_plus_baseline":  # REINFORCE++ (2501.03262), as verl's: the group
         adv = rewards - rewards.mean(1, keepdim=True)  # mean out, then whitened over the step's tokens
-        L = mask.sum(-1).view_as(adv)  # (a completion weighs by its length)
+        L = s["mask"].sum(-1).view_as(adv)  # (a completion weighs by its length)
         mean = (L * adv).sum() / L.sum()
         adv = (adv - mean) * torch.rsqrt((L * (adv - mean) ** 2).sum() / (L.sum() - 1) + 1e-8)
         flat = flat & False  # whitened: an equal-reward group's A is not 0
@@ -1145,8 +1090,7 @@ def probe(a: Args):
         return torch.rand(G, 3, generator=gen).log()
     rows = dict(reward=torch.arange(G, dtype=torch.float), order=torch.zeros(G, dtype=torch.long),
                 mask=torch.ones(G, 3), truncated=torch.zeros(G, dtype=torch.bool),
-                is_teacher=torch.zeros(G, dtype=torch.bool), sampler_logp=made_up(), per_fn=made_up(),
-                tool_mask=torch.ones(G, 3))
+                is_teacher=torch.zeros(G, dtype=torch.bool), sampler_logp=made_up(), per_fn=made_up())
     step = collections.defaultdict(made_up, rows, adv=torch.zeros(G, 1))  # A = 0
     words = step_terms(step, a)[-1]
     logp = made_up().requires_grad_()
@@ -1246,8 +1190,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1 - math.comb(n - c, k) / math.comb(n, k)
 
 @torch.no_grad()
-def evaluate(model, tok, examples: list[dict], a: Args, rank: int = 0, world: int = 1, sampler=None,
-             tools=None) -> dict:
+def evaluate(model, tok, examples: list[dict], a: Args, rank=0, world=1, sampler=None, tools=None) -> dict:
     """Greedy accuracy on held-out prompts, split over ranks; with --eval-samples k, also mean@k and pass@j
     of k samples a prompt, drawn from a random stream of their own (the run's is untouched)."""
     def n_correct(n: int, **kw) -> list[int]:  # correct completions of n a prompt, every rank's prompts
@@ -1447,7 +1390,7 @@ def start(a: Args):
     torch.manual_seed(a.seed)  # the same LoRA init on every rank
     model, tok, ref_model = load_model(a, device, ckpt if a.resume else None)
     pool = load_teacher_pool(a, train, tok) if a.teacher_pool else None
-    tools = load_tools(a, tok)
+    tools = load_tools(a, tok) if a.tools else None
     sampler = None
     if a.compile_generate == "on" or a.compile_generate == "auto" and device.type == "cuda":
         texts = [chat_prompt(tok, ex["prompt"], a.system_prompt, tools) for ex in train + evals]

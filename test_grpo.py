@@ -944,14 +944,13 @@ def test_the_built_in_task_beside_an_eval_dataset_larger_than_its_held_out_part(
 def test_completion_mask_keeps_first_eos(pad):
     eos = 2
     ids = torch.tensor([[5, 6, eos, pad, pad], [5, eos, 7, eos, pad], [5, 6, 7, 8, 9], [eos, pad, pad, pad, pad]])
-    mask, truncated = grpo.completion_mask(ids, [eos])
+    mask = grpo.completion_mask(ids, [eos])
     assert mask.int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
-    assert truncated.tolist() == [False, False, True, False]
 
 
 def test_completion_mask_several_eos_ids():
-    mask, truncated = grpo.completion_mask(torch.tensor([[4, 9, 3, 3], [4, 3, 9, 9]]), [3, 9])
-    assert mask.int().tolist() == [[1, 1, 0, 0], [1, 1, 0, 0]] and not truncated.any()
+    mask = grpo.completion_mask(torch.tensor([[4, 9, 3, 3], [4, 3, 9, 9]]), [3, 9])
+    assert mask.int().tolist() == [[1, 1, 0, 0], [1, 1, 0, 0]]
 
 
 # ============================================================================= rewards
@@ -1729,7 +1728,7 @@ def test_train_logps_match_the_sampler(loaded, loaded_bf16, dtype, atol):
     sampler = torch.stack(out.logits, 1).log_softmax(-1).gather(-1, comp[..., None])[..., 0]
     attn = torch.cat([enc.attention_mask, torch.ones_like(comp)], 1)
     logp, entropy = grpo.token_logps(model, out.sequences, attn, comp.shape[1])
-    mask, _ = grpo.completion_mask(comp, model.generation_config.eos_token_id)
+    mask = grpo.completion_mask(comp, model.generation_config.eos_token_id)
     assert (logp[mask] - sampler[mask].float()).abs().max() <= atol
     assert (entropy > 0).all() and (entropy <= math.log(len(tok)) + 1e-4).all()
 
