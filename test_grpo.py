@@ -75,6 +75,18 @@ def eos_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session")
+def tools_dir(tmp_path_factory):
+    """The tiny model with a chat template that renders tools as Qwen2.5-Instruct's does (tiny.TOOLS_CHAT_TEMPLATE)."""
+    return tiny.make_tiny(str(tmp_path_factory.mktemp("tools") / "model"), chat_template=tiny.TOOLS_CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def tools_loaded(tools_dir):
+    a = grpo.parse_args(["--model", tools_dir, "--algo", "drgrpo", "--tools", "calculator"] + TINY)
+    model, tok, _ = grpo.load_model(a, torch.device("cpu"))
+    return a, model, tok, grpo.load_tools(a, tok)
+
 @pytest.fixture(autouse=True)
 def signal_handlers():
     """grpo.main() installs its own handlers of grpo.STOPS (and tests an alarm): none is left behind; nor is the
@@ -518,6 +530,67 @@ def test_entropy_bonus_against_verl(agg, value):
                  "seq-mean-token-sum": 1 / n_seq, "seq-mean-token-sum-norm": 1 / (n_seq * 5)}[agg]
     assert torch.allclose(g_H, -0.01 * per_token * x["mask"], rtol=0, atol=1e-15)
 
+
+
+# tool tokens (--tools) inside completions of 5, 3, 4 and 1 tokens: 0 where a tool's result (and the template's
+# words around it) stands, as collate makes the mask from each row's tool_mask
+TOOL_MASK = [[1, 1, 0, 0, 1], [1, 0, 1, 1, 1], [1, 0, 0, 1, 1], [1, 1, 1, 1, 1]]
+
+
+def tool_groups():
+    """peer_inputs' completion lengths (5, 3, 4, 1) as one group, each row's tool mask cut from TOOL_MASK."""
+    comps = [torch.arange(4, 4 + n) for n in (5, 3, 4, 1)]
+    return [dict(prompt_ids=torch.tensor([1, 2]), completions=comps, truncated=[False] * 4, order=0, per_fn={},
+                 is_teacher=[False] * 4, rewards=torch.zeros(4), sampler_logp=[torch.zeros(len(c)) for c in comps],
+                 tool_mask=[torch.tensor(TOOL_MASK[i][:len(c)], dtype=torch.float) for i, c in enumerate(comps)])]
+
+
+@pytest.mark.parametrize("kw", [dict(surrogate="clip", beta=0.04, kl="k3", entropy_coef=0.01),
+                                dict(surrogate="cispo", beta=0.04, kl="k3_ratio"),
+                                dict(surrogate="sapo", beta=0.04, kl="k2", entropy_coef=0.01),
+                                dict(surrogate="gmpo", entropy_coef=0.01), dict(surrogate="vespo", beta=0.04),
+                                dict(surrogate="clip_cov", cov_ratio=0.5), dict(surrogate="kl_cov", cov_ratio=0.5),
+                                dict(ratio="sequence", dual_clip=3.0), dict(tis=2.0, tis_mode="sequence_mask"),
+                                dict(opsm_delta=0.1, tis=2.0)], ids=lambda kw: "-".join(map(str, kw.values())))
+@pytest.mark.parametrize("agg", grpo.LOSS_AGGS)
+def test_tool_tokens_get_no_gradient_and_leave_the_loss_as_it_is(kw, agg):
+    """collate's mask is 0 on tool tokens (each row's tool_mask), and through it no term reaches them: for every
+    surrogate, KL estimator, the entropy bonus, IS weights and aggregation, the gradient there (log-probs and
+    entropy) is exactly 0, and other values there (pi, pi_old, pi_ref, the sampler's, H: +3) change no loss."""
+    b = grpo.collate(tool_groups(), 0, "cpu")
+    x = peer_inputs()
+    tool = (x["mask"] == 1) & (torch.tensor(TOOL_MASK) == 0)  # inside a completion, a tool's
+    assert torch.equal(b["mask"].double(), x["mask"] * torch.tensor(TOOL_MASK)) and tool.sum() == 5
+    x["mask"] = b["mask"].double()
+    torch.manual_seed(0)  # (clip_cov draws its tokens)
+    loss, g, g_H = objective(x, agg, **kw)
+    assert not g[tool].any() and not g_H[tool].any() and g.abs().sum() > 0
+    for k in ("logp", "old_logp", "sampler_logp", "ref_logp", "entropy"):
+        x[k] = torch.where(tool, x[k] + 3.0, x[k])
+    torch.manual_seed(0)
+    assert objective(x, agg, **kw)[0] == loss
+
+
+@pytest.mark.parametrize("kw, value, grad", [
+    (dict(agg="seq-mean-token-mean", beta=0.04, kl="k3"), 0.07983751868966835,  # TRL's "grpo", beta 0.04
+     [[-0.1031733468, -0.0933964565, 0, 0, -0.0748799567], [0.0815763019, 0, 0.0879270079, 0, 0],
+      [-0.0535754041, 0, 0, -0.0658090716, 0], [0.000896602, 0, 0, 0, 0]]),
+    (dict(agg="token-mean", entropy_coef=0.01), -0.21891518033418575,  # TRL's "dapo", entropy_coef 0.01
+     [[-0.1510518243, -0.1393557969, 0, 0, -0.1134862701], [0.0812520798, 0, 0.0885441511, 0, 0],
+      [-0.0549267735, 0, 0, -0.0670225681, 0], [0] * 5]),
+    (dict(agg="seq-mean-token-sum-norm", beta=0.04, kl="k3_ratio"), -0.08179610525099512,  # "dr_grpo", bias-
+     [[-0.0615381643, -0.0559984129, 0, 0, -0.0449925901], [0.0326253423, 0, 0.0351821122, 0, 0],  # corrected KL
+      [-0.0214168964, 0, 0, -0.0262128055, 0], [0.0001364435, 0, 0, 0, 0]]),
+    (dict(agg="token-mean", beta=0.04, kl="k3_ratio"), -0.2044902631274878,  # "bnpo", bias-corrected KL
+     [[-0.1538454106, -0.1399960324, 0, 0, -0.1124814753], [0.0815633559, 0, 0.0879552804, 0, 0],
+      [-0.0535422409, 0, 0, -0.0655320136, 0], [0.0003411088, 0, 0, 0, 0]])])
+def test_tool_masked_loss_and_gradient_against_trl(kw, value, grad):
+    """TRL 1.16.0 GRPOTrainer._compute_loss on peer_inputs with tool_mask = TOOL_MASK (its loss mask: completion_mask
+    x tool_mask; num_items_in_batch counts it too), its own code run on them: the loss and d loss / d log pi."""
+    x = peer_inputs()
+    x["mask"] = grpo.collate(tool_groups(), 0, "cpu")["mask"].double()
+    loss, g, _ = objective(x, **kw)
+    assert loss == pytest.approx(value, abs=1e-12) and near(g, grad)
 
 def cov_inputs(log_r00=0.3):
     """2 rows of 2 tokens and a pad: A = 2, -1 (token mean 0.5), logp -1 -2 / -0.5 -3 (mean -1.625), so
@@ -1329,6 +1402,38 @@ def test_a_reward_named_twice_is_refused(tmp_path):
             grpo.build_rewards(grpo.parse_args(argv))
     assert [n for n, _, _ in grpo.build_rewards(grpo.parse_args(["--reward-fn", mine]))] == ["correct"]
 
+
+
+@pytest.mark.parametrize("expression, want", [("(12 + 3) * -4 / 5", "-12.0"), ("7 // 2 + 7 % 3", "4"), ("2 ** -2", "0.25"),
+                                              ("-(2 ** 10) - 1", "-1025"), ("10 ** 100", str(10 ** 100)), ("1.5e3", "1500.0")])
+def test_the_calculator_by_hand(expression, want):
+    assert R.calculator(expression) == want
+
+
+@pytest.mark.parametrize("expression, says", [
+    ("__import__('os')", "not arithmetic"), ("(1).real", "not arithmetic"), ("x + 1", "not arithmetic"),
+    ("'a' * 3", "not arithmetic"), ("True + 1", "not arithmetic"), ("abs(-1)", "not arithmetic"),
+    ("9**9**9", "an exponent over 100"), ("1" * 10000, "longer than 1000 characters"),
+    ("10 ** 100 * 10", "within ±1e100"), ("2 ** 0.5 * 1e308", "within ±1e100"), ("(-8) ** 0.5", "within ±1e100"),
+    ("1" * 101, "within ±1e100")])
+def test_the_calculator_refuses_all_but_bounded_arithmetic(expression, says):
+    """Names, calls, attributes, strings and booleans are never reached (the parse tree is walked, nothing is
+    eval'd); an exponent over 100 is refused before it is computed, and every number is bounded."""
+    with pytest.raises(ValueError, match=says):
+        R.calculator(expression)
+
+
+def test_tool_calls_are_parsed_in_qwen2_5_s_format():
+    text = ('I will compute. <tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>'
+            '<tool_call>{"name": "f", "arguments": {"x": [1, 2]}}</tool_call><tool_call>{"name": "f", "x": 1}'
+            '</tool_call><tool_call>{"name": "f", "arguments": {"x": 1,}}</tool_call><tool_call>[1]</tool_call>'
+            '<tool_call>{"name": "f"<|im_end|>')
+    assert grpo.parse_tool_calls(text) == [
+        {"name": "calculator", "arguments": {"expression": "6*7"}}, {"name": "f", "arguments": {"x": [1, 2]}},
+        {"name": None, "arguments": '{"name": "f", "x": 1}'},  # no arguments, not JSON, not an object, not closed:
+        {"name": None, "arguments": '{"name": "f", "arguments": {"x": 1,}}'},  # the text, which the model is told
+        {"name": None, "arguments": "[1]"}, {"name": None, "arguments": '{"name": "f"<|im_end|>'}]
+    assert grpo.parse_tool_calls("no call: <tool_response>\n42\n</tool_response>") == []
 
 # ============================================================================= flags and data
 PAPERS = {  # README's table, from the papers, written out here: never read from grpo.PRESETS
@@ -2449,6 +2554,212 @@ def test_a_diverged_model_stops_sampling_with_one_line(loaded):
         with pytest.raises(SystemExit, match="logits are not finite: training diverged; lower --learning-rate"):
             grpo.generate(model, tok, [grpo.chat_prompt(tok, "1+1?", "")], 2, a, greedy=greedy)
 
+
+
+# ----------------------------------------------------------------------------- tool calls in the rollout
+CALL = '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{}"}}}}\n</tool_call>'
+# Qwen2.5-Instruct's turn of tool results and the next turn's start, written out (its template's words)
+RESULTS = "\n<|im_start|>user{}<|im_end|>\n<|im_start|>assistant\n"
+RESULT = "\n<tool_response>\n{}\n</tool_response>"
+
+
+def scripted(tok, script, held=None, logp=-0.5):
+    """A stand-in for grpo.sample: its k-th call draws script[k][r] for its r-th row (the text, then EOS), each
+    token at log-prob `logp`, padded after; `held` gets what each call's rows held (a prompt and all after it)."""
+    turns = iter(script)
+
+    def sample(model, tok_, rows, new_tokens, a, greedy=False, sampler=None):
+        if held is not None:
+            held.append([r.tolist() for r in rows])
+        drawn = [tok(t, add_special_tokens=False).input_ids + [tok.eos_token_id] for t in next(turns)]
+        out = torch.full((len(drawn), max(map(len, drawn))), tok.pad_token_id)
+        for r, ids in enumerate(drawn):
+            out[r, :len(ids)] = torch.tensor(ids)
+        return out, torch.full(out.shape, logp)
+    return sample
+
+
+def test_a_completion_with_two_tool_turns_by_hand(tools_loaded, monkeypatch):
+    """A row calls the calculator, then twice in one turn (one call fails), then answers; its neighbour answers at
+    once. The completion is every token after the prompt: each turn drawn with its EOS, then the results as
+    Qwen2.5's template writes them and the next turn's start; the tool mask is 1 on the drawn tokens alone, the
+    sampler's log-probs NaN on the others; only the row that called draws again, after all it holds."""
+    a, model, tok, tools = tools_loaded
+    a = replace(a, max_new_tokens=500)
+    turns = [CALL.format("6*7"), "Two more. " + CALL.format("2**10") + CALL.format("1/0"), "\\boxed{42}"]
+    held = []
+    monkeypatch.setattr(grpo, "sample", scripted(tok, [[turns[0], "\\boxed{1}"], turns[1:2], turns[2:]], held))
+    prompt = grpo.chat_prompt(tok, "What is 6*7?", "", tools)
+    prompts, comps, truncated, logps, masks, calls = grpo.generate(model, tok, [prompt], 2, a, tools=tools)
+    ids = lambda text: tok(text, add_special_tokens=False).input_ids  # noqa: E731
+    eos = [tok.eos_token_id]
+    results = [RESULTS.format(RESULT.format(42)),
+               RESULTS.format(RESULT.format(1024) + RESULT.format("error: ZeroDivisionError: division by zero"))]
+    pieces = [(ids(turns[0]) + eos, 1), (ids(results[0]), 0), (ids(turns[1]) + eos, 1), (ids(results[1]), 0),
+              (ids(turns[2]) + eos, 1)]
+    assert comps[0].tolist() == sum((p for p, _ in pieces), []) and comps[1].tolist() == ids("\\boxed{1}") + eos
+    assert masks[0].tolist() == sum(([m] * len(p) for p, m in pieces), []) and masks[1].tolist() == [1] * 10
+    assert torch.equal(logps[0].isnan(), masks[0] == 0) and (logps[0][masks[0] == 1] == -0.5).all()
+    assert truncated == [False, False] and prompts[0].tolist() == ids(prompt)
+    assert [(c["arguments"]["expression"], c["result"], c.get("error", False)) for c in calls[0]] == [
+        ("6*7", "42", False), ("2**10", "1024", False), ("1/0", "error: ZeroDivisionError: division by zero", True)]
+    assert calls[1] == [] and [len(h) for h in held] == [2, 1, 1]
+    assert held[1] == [ids(prompt) + sum((p for p, _ in pieces[:2]), [])]
+    assert held[2] == [ids(prompt) + sum((p for p, _ in pieces[:4]), [])]
+
+
+def test_t_counts_the_tools_tokens_and_max_tool_calls_ends_a_completion(tools_loaded, monkeypatch):
+    """T counts every token after the prompt: a result that would pass it is cut at T (the row is truncated and
+    draws no more); a turn whose calls would pass --max-tool-calls ends the completion, its calls not run."""
+    a, model, tok, tools = tools_loaded
+    turns = [CALL.format("6*7"), CALL.format("2**10") + CALL.format("1/0"), "\\boxed{42}"]
+    ids = lambda text: tok(text, add_special_tokens=False).input_ids  # noqa: E731
+    first = len(ids(turns[0]) + ids(RESULTS.format(RESULT.format(42)))) + 1
+    T = first + len(ids(turns[1])) + 1 + 5  # the second turn's results get 5 tokens
+    for limit, want_len, cut, n_calls in ((8, T, True, 3), (2, T - 5, False, 1)):
+        held = []
+        monkeypatch.setattr(grpo, "sample", scripted(tok, [turns[:1], turns[1:2], turns[2:]], held))
+        b = replace(a, max_new_tokens=T, max_tool_calls=limit)
+        _, comps, truncated, _, masks, calls = grpo.generate(model, tok, ["q"], 1, b, tools=tools)
+        assert len(comps[0]) == want_len and truncated == [cut] and len(calls[0]) == n_calls and len(held) == 2
+        assert masks[0][first + len(ids(turns[1])) + 1:].tolist() == [0] * (5 if cut else 0)
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_sampler_draws_on_after_tool_results_as_the_trainer_reads_them(tools_loaded, compiled, monkeypatch):
+    """Every row's first turn calls the calculator (scripted); the real sampler draws the next turn after the
+    prompt, the call and its result, plain or compiled (one shape: the prompt length then covers a prompt and
+    T): its log-probs are the trainer's, read through collate from the whole completion."""
+    a, model, tok, tools = tools_loaded
+    a = replace(a, max_new_tokens=180)
+    model = copy.deepcopy(model)
+    texts = [grpo.chat_prompt(tok, t, a.system_prompt, tools) for t in TEXTS]
+    first_turn = [len(tok(t, add_special_tokens=False).input_ids) for t in texts]
+    real, first = grpo.sample, scripted(tok, [[CALL.format("6*7")] * 8], logp=math.nan)  # (no sampler's)
+    monkeypatch.setattr(grpo, "sample", lambda *args: (first if len(args[2][0]) in first_turn else real)(*args))
+    sampler = grpo.compile_sampler(model, a, max(first_turn)) if compiled else None
+    torch.manual_seed(0)
+    prompts, comps, truncated, logps, masks, calls = grpo.generate(model, tok, texts, 4, a, sampler=sampler,
+                                                                   tools=tools)
+    assert all(len(c) == 1 for c in calls) and all(m[-1] == 1 and (m == 0).any() for m in masks)
+    logp, mask = trainer_logps(model, tok, a, prompts, comps, 4)
+    drawn = (padded(masks, mask) == 1) & padded(logps, mask).isfinite() & (mask == 1)  # the real sampler's
+    assert drawn.sum() > 100 and (logp - padded(logps, mask))[drawn].abs().max() < 1e-4
+
+
+TOOLS_FILE = '''import ctypes, os, sys, time
+def add(a: int, b: int) -> int:
+    """Adds two numbers, printing and leaving a file where it runs.
+
+    Args:
+        a: a number
+        b: another
+    """
+    print("noise")
+    os.write(1, b"raw noise\\n")
+    os.write(2, b"raw errors\\n")
+    open("left.txt", "w").write("x")
+    os.chdir("/")
+    return a + b
+def boom() -> str:
+    """Raises."""
+    raise ValueError("no")
+def hang() -> str:
+    """Never returns."""
+    time.sleep(10000)
+def die() -> str:
+    """Ends its process."""
+    os._exit(3)
+def crash() -> str:
+    """Crashes its process."""
+    ctypes.string_at(0)
+def big() -> str:
+    """A megabyte."""
+    return "x" * 2 ** 20 + "\\ud800"
+def _helper():
+    pass
+'''
+
+
+def test_every_failure_of_a_tool_is_a_result_and_nothing_it_does_touches_the_run(tools_dir, tmp_path, capfd):
+    """The tools run in a process of their own, in a directory of its own, their output discarded: a print, a
+    file left behind or a chdir reach neither the run's output nor its working directory. A tool that raises, one
+    that is not there, arguments that are not a JSON object or not its own, a crash (os._exit, a segfault) and a
+    timeout are each a result the model reads ("error: ..."); the process starts again after the last two; a
+    megabyte comes back whole (a lone surrogate as '?') and is cut to what T leaves when rendered."""
+    (tmp_path / "t.py").write_text(TOOLS_FILE)
+    a = grpo.parse_args(["--model", tools_dir, "--tools", f"{tmp_path}/t.py", "--tool-timeout", "120"])
+    tok = grpo.load_model(a, torch.device("cpu"))[1]
+    tools = grpo.load_tools(a, tok)
+    assert tools["names"] == ["add", "boom", "hang", "die", "crash", "big"]  # every public function
+
+    def call(name, arguments=None):
+        return grpo.run_tool(tools, {"name": name, "arguments": arguments or {}})
+    here = os.getcwd()
+    assert call("add", {"a": 2, "b": 3}) == {"name": "add", "arguments": {"a": 2, "b": 3}, "result": "5"}
+    assert os.getcwd() == here and not os.path.exists("left.txt") and "noise" not in "".join(capfd.readouterr())
+    assert os.path.exists(os.path.join(tools["dir"].name, "left.txt"))
+    assert call("boom") == {"name": "boom", "arguments": {}, "result": "error: ValueError: no", "error": True}
+    no_such = "error: call one of ['add', 'boom', 'hang', 'die', 'crash', 'big'] with a JSON object"
+    assert call("_helper")["result"] == call("open")["result"] == no_such and call("open")["error"]
+    bad_json = grpo.parse_tool_calls('<tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>')[0]
+    assert grpo.run_tool(tools, bad_json)["result"] == call("add", [1, 2])["result"] == no_such
+    assert call("add", {"c": 1})["result"].startswith("error: TypeError: ")
+    pid = tools["proc"].pid
+    assert call("die") == {"name": "die", "arguments": {}, "result": "error: its process was ended (exit code 3)",
+                           "error": True, "timeout": False}
+    assert call("add", {"a": 1, "b": 1})["result"] == "2" and tools["proc"].pid != pid  # started again
+    assert call("crash")["result"] == f"error: its process was ended (exit code {-signal.SIGSEGV})"
+    tools["timeout"] = 1
+    assert call("hang") == {"name": "hang", "arguments": {}, "result": "error: its process was ended (ran past "
+                            "--tool-timeout 1 s)", "error": True, "timeout": True}
+    tools["timeout"] = 120
+    assert call("add", {"a": 1, "b": 2})["result"] == "3"
+    result = call("big")
+    assert result["result"] == "x" * 2 ** 20 + "?" and "error" not in result
+    cut = grpo.tool_turn(tok, [tok.eos_token_id], [result], 50)  # what T leaves: the row ends there
+    assert cut == tok(RESULTS.format(RESULT.format("x" * 400)), add_special_tokens=False).input_ids[:50]
+
+
+@pytest.mark.parametrize("body, spec, says", [
+    ("def f(x: int) -> int:\n    return (x\n", "", "SyntaxError"),
+    ("import no_such_module\n", "", "ModuleNotFoundError: No module named 'no_such_module'"),
+    ("def f(x: int) -> int:\n    return x\n", "", "DocstringParsingException"),  # no docstring: no schema
+    ("def f(x):\n    '''F.\n\n    Args:\n        x: x\n    '''\n", "", "TypeHintParsingException"),
+    (TOOLS_FILE, ":add,nope", "KeyError: 'nope'"), ("import sys\nsys.exit(3)\n", "", "SystemExit: 3"),
+    ("X = 1\n", "", "no tool"), (TOOLS_FILE, ":add", "shows none")])
+def test_a_tools_file_that_cannot_serve_stops_the_run_at_start_in_one_line(tiny_dir, tools_dir, tmp_path, body,
+                                                                           spec, says):
+    (tmp_path / "t.py").write_text(body)
+    model = tiny_dir if says == "shows none" else tools_dir  # tiny's default template shows no tools
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match=f"^grpo: error: --tools '{tmp_path}/t.py{spec}': .*{says}"):
+        main(["--model", model, "--output-dir", str(out), "--tools", f"{tmp_path}/t.py{spec}"] + TINY)
+    assert not out.exists()  # before anything is written
+
+
+def test_the_tiny_model_s_tools_template_renders_as_qwen2_5_s(tools_loaded):
+    """tiny.TOOLS_CHAT_TEMPLATE against Qwen2.5-Instruct's rendering, written out: its default system message
+    when none is given, the # Tools block with one JSON schema a line, an assistant turn's calls, and results as
+    one user turn of <tool_response>s; the tools' prompt is the one chat_prompt builds."""
+    tok, tools = tools_loaded[2], tools_loaded[3]
+    schema = json.dumps(tools["schemas"][0], ensure_ascii=False)
+    assert grpo.chat_prompt(tok, "Hi", "", tools) == (
+        f"<|im_start|>system\n{tiny.QWEN_SYSTEM}\n\n# Tools\n\nYou may call one or more functions to assist with "
+        "the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+        f"{schema}\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+        'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+        "<args-json-object>}\n</tool_call><|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    chat = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "6*7"}}},
+                {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1"}}}]},
+            {"role": "tool", "content": "42"}, {"role": "tool", "content": "1"}, {"role": "assistant", "content": "A"}]
+    assert tok.apply_chat_template(chat, tokenize=False) == (
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n" + CALL.format("6*7")
+        + "\n" + CALL.format("1") + "<|im_end|>" + RESULTS.format(RESULT.format(42) + RESULT.format(1))
+        + "A<|im_end|>\n")
+    assert tiny.make_tokenizer().apply_chat_template(chat[:2], tokenize=False) == (
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n")  # the default template, unchanged
 
 # ----------------------------------------------------------------------------- the compiled sampler
 def trainer_logps(model, tok, a, prompts, comps, n):
