@@ -2761,6 +2761,101 @@ def test_the_tiny_model_s_tools_template_renders_as_qwen2_5_s(tools_loaded):
     assert tiny.make_tokenizer().apply_chat_template(chat[:2], tokenize=False) == (
         "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n")  # the default template, unchanged
 
+@pytest.mark.parametrize("agg", grpo.LOSS_AGGS)
+def test_a_step_trains_the_model_s_tokens_alone_and_counts_them_alone(loaded, agg):
+    """train_step's update (SGD, lr 1) with tool tokens in the completions (every third token from the second, as
+    each row's tool_mask says) equals the gradient by hand with a mask written out here: no loss and no KL there,
+    and |o_i| and both normalisers count the model's tokens alone (Dr. GRPO's T stays T); it differs from the
+    update that trains them too."""
+    a, model, tok = loaded
+    a = replace(a, loss_agg=agg, max_grad_norm=0.0, max_new_tokens=6, scale="std", micro_batch_size=3, beta=0.04,
+                tools="calculator")
+    groups = tiny.fixed_groups(tok, REWARDS, a)
+    for g in groups:
+        g["tool_mask"] = [torch.tensor([float(j % 3 != 1) for j in range(len(c))]) for c in g["completions"]]
+    batch = {**grpo.collate(groups, tok.pad_token_id, "cpu"), "adv": adv_rows(groups, a)}
+    lengths = [len(c) for g in groups for c in g["completions"]]
+    mask = torch.tensor([[float(j < n and j % 3 != 1) for j in range(max(lengths))] for n in lengths])
+    assert torch.equal(batch["mask"], mask) and (mask.sum(1) < torch.tensor(lengths)).sum() > 8
+    update, _ = sgd_update(model, a, groups, tok.pad_token_id)
+    assert_same_update(update, hand_update(model, {**batch, "mask": mask}, agg, 6, beta=0.04))
+    everything = torch.tensor([[float(j < n) for j in range(max(lengths))] for n in lengths])
+    every = hand_update(model, {**batch, "mask": everything}, agg, 6, beta=0.04)
+    assert not all(torch.allclose(every[n], v, rtol=1e-3) for n, v in update.items())
+
+
+def test_the_reward_sees_the_whole_text_its_length_and_its_calls(tools_loaded, monkeypatch, tmp_path):
+    """rollout with tools: a reward gets the whole completion's text (the results in it), `length` (every token
+    after the prompt, as T counts them) and `tool_calls`; the step's tools/ metrics are over every completion,
+    and each completion's calls are in its samples.jsonl row."""
+    a, model, tok, tools = tools_loaded
+    a = replace(a, max_new_tokens=300, prompts_per_step=1, num_generations=4)
+    script = [[CALL.format("6*7"), CALL.format("1/0") + CALL.format("2"), "\\boxed{3}", "\\boxed{4}"],
+              ["\\boxed{42}", "\\boxed{2}"]]
+    monkeypatch.setattr(grpo, "sample", scripted(tok, script))
+    seen = []
+
+    def judge(text, answer, length, tool_calls, **kw):
+        seen.append((text, length, tool_calls))
+        return float(tool_calls)
+    stream = grpo.prompt_stream(grpo.arithmetic_task(10, 0), 0)
+    _, m, generated = grpo.rollout(model, tok, stream, [("judge", judge, 1.0)], None, a, tools=tools)
+    comps = generated[0]["completions"]
+    assert seen == [(tok.decode(c, skip_special_tokens=True), len(c), n) for c, n in zip(comps, [1, 2, 0, 0])]
+    assert "<tool_response>\n42\n</tool_response>" in seen[0][0] and seen[0][0].endswith("\\boxed{42}")
+    assert generated[0]["rewards"].tolist() == [1, 2, 0, 0]
+    assert m["tools/calls"] == 3 / 4 and m["tools/call_frac"] == 2 / 4
+    assert m["tools/errors"] == 1 / 3 and m["tools/timeouts"] == 0  # 1/0 raised
+    rows = grpo.sample_rows(generated, 1)
+    assert [[c["result"] for c in r["tool_calls"]] for r in rows] == [
+        ["42"], ["error: ZeroDivisionError: division by zero", "2"], [], []]
+
+def forced_calls(tok, every=2):
+    """grpo.sample, but every other row's first turn is a calculator call (its log-probs NaN: not the sampler's):
+    a random tiny model calls tools in a real run. A first turn holds a prompt alone (no <|im_start|>assistant
+    after the last <|im_start|>user)."""
+    real = grpo.sample
+    call = tok(CALL.format("17*23"), add_special_tokens=False).input_ids + [tok.eos_token_id]
+
+    def sample(model, tok_, held, new_tokens, a, greedy=False, sampler=None):
+        drawn, logp = real(model, tok_, held, new_tokens, a, greedy, sampler)
+        drawn = torch.cat([drawn, torch.full((len(drawn), len(call)), tok.pad_token_id)], 1)
+        logp = torch.cat([logp, torch.zeros(len(drawn), len(call))], 1)
+        for r, h in enumerate(held):
+            if r % every == 0 and "<tool_response>" not in tok.decode(h):
+                drawn[r, :len(call)] = torch.tensor(call)
+                logp[r, :len(call)] = math.nan
+        return drawn, logp
+    return sample
+
+
+def test_resume_with_tools_continues_bit_for_bit(tools_dir, tmp_path, monkeypatch):
+    """--tools calculator, every other row's first turn a call (forced), the rows drawing on after its result:
+    4 steps == 2 steps, --resume to 4 (the metrics, tools/ among them, and the adapter, bit for bit); the calls
+    and results are in samples.jsonl; tools/calls is what the rows called."""
+    tok = grpo.load_model(grpo.parse_args(["--model", tools_dir]), torch.device("cpu"))[1]
+    monkeypatch.setattr(grpo, "sample", forced_calls(tok))
+    common = ["--model", tools_dir, "--tools", "calculator", "--log-samples", "1", "--eval-every", "0"] + TINY \
+        + ["--max-new-tokens", "150"] + reward_file(tmp_path)
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    main(common + ["--output-dir", straight, "--max-steps", "4"])
+    main(common + ["--output-dir", split, "--max-steps", "2"])
+    main(["--output-dir", split, "--resume", "--max-steps", "4"])
+    assert steady(metrics(split)) == steady(metrics(straight)) and len(metrics(split)) == 4
+    assert [r["tools/calls"] for r in metrics(split)] == [0.5] * 4 and metrics(split)[0]["tools/errors"] == 0
+    a, b = trained(straight), trained(split)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rows = [json.loads(r) for r in open(os.path.join(split, "samples.jsonl"))]
+    assert [r["tool_calls"] for r in rows[:2]] == [[{"name": "calculator", "arguments": {"expression": "17*23"},
+                                                     "result": "391"}], []]
+    assert "<tool_response>\n391\n</tool_response>" in rows[0]["completion"]
+
+
+def test_dry_run_says_the_tool_mask(capsys):
+    grpo.main(["--dry-run", "--tools", "calculator", "--max-tool-calls", "3", "--tool-timeout", "5"])
+    assert ("Σ_t over m_i,t = 1 on the model's tokens to its last EOS, 0 on the results of ≤3 calculator calls "
+            "(≤5 s each) and the template's tokens around them\n") in capsys.readouterr().out
+
 # ----------------------------------------------------------------------------- the compiled sampler
 def trainer_logps(model, tok, a, prompts, comps, n):
     """The trainer's log-probs (and the sampler's, laid out alike) of generate()'s completions, through collate."""
@@ -3819,7 +3914,7 @@ SCHEDULES = {  # rewards by place in the data order: 4 prompts a round, slots 0 
     "overshoot": [EQ, [0, 1], EQ, [0, 3], [0, 2], [0, 5], [0, 4], [0, 6]]}  # 2 kept, then 4 more: cut to B
 a = grpo.parse_args(["--model", model_dir, "--dataset", data, "--prompts-per-step", "4", "--num-generations", "2",
                      "--max-new-tokens", "4", "--dynamic-sampling", "--max-gen-rounds", "3", "--top-k-groups", "3",
-                     "--soft-reweight", "--scale", "none"])
+                     "--soft-reweight", "--scale", "none", "--tools", "calculator"])
 torch.manual_seed(0)
 model, tok, _ = grpo.load_model(a, device)
 train, _ = grpo.load_data(a)
@@ -3843,11 +3938,15 @@ def generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None):  
              .input_ids + [tok.eos_token_id] * ((k + j) % 3 > 0) for k, j in rows]  # (k + j) % 3 == 0: truncated
     prompts = [tok(t, add_special_tokens=False, return_tensors="pt").input_ids[0] for t in texts]
     odd = [places.index(f"Question {k}?") % 2 for k, _ in rows]  # its place in a round: odd on rank 1 of 2
+    called = [(k + j) % 2 for k, j in rows]  # a call's result: the completion's 3rd and 4th tokens, a tool's
+    calls = [[{"name": "calculator", "arguments": {}, "result": "1", **({"error": True} if k % 4 == 1 else {})}] * c
+             for (k, _), c in zip(rows, called)]
     return (prompts, [torch.tensor(c) for c in comps], [(k + j) % 3 == 0 for k, j in rows],
             [torch.full((len(c),), -30.0 * o) for o, c in zip(odd, comps)],  # the sampler's: 30 nat off on rank 1
-            [torch.ones(len(c)) for c in comps], [[] for _ in comps])
-def graded(completion, answer, prompt, **kw):  # prompts 3, 6, ...: an equal-reward group
-    return 0.5 if int(prompt.split()[1][:-1]) % 3 == 0 else float(grpo.is_correct(completion, answer))
+            [torch.tensor([float(not c or i not in (2, 3)) for i in range(len(ids))]) for c, ids in zip(called, comps)],
+            calls)
+def graded(completion, answer, prompt, tool_calls, **kw):  # prompts 3, 6, ...: an equal-reward group
+    return 0.5 if int(prompt.split()[1][:-1]) % 3 == 0 else float(grpo.is_correct(completion, answer)) + tool_calls
 grpo.generate = generate  # every rank's rows in the step's metrics and in the evaluation, as one process has them
 places = [ex["prompt"] for ex in itertools.islice(grpo.prompt_stream(train, a.seed), 40)]
 kept, stats, _ = grpo.rollout(model, tok, grpo.prompt_stream(train, a.seed), [("graded", graded, 1.0)], None, a, None,
@@ -3866,8 +3965,9 @@ def test_two_processes_filter_as_one_and_refuse_what_they_cannot_run(tiny_dir, t
     """Dynamic sampling (kept groups counted over the ranks), top-k over every rank's groups and soft reweighting
     by the largest std among them: a rollout on 2 ranks keeps the groups that one process keeps, with the same
     advantages (rewards set by each prompt's place in the data order, whatever was sampled); with completions set
-    by each prompt (a stub of the sampler), every metric of the step (rollout's, train_step's) and of the evaluation
-    is the one process's, from every rank's rows (rank 0's alone give others). And under torchrun,
+    by each prompt (a stub of the sampler, some rows calling tools: --tools), every metric of the step (rollout's,
+    tools/ among them, train_step's on the tool-masked tokens) and of the evaluation is the one process's, from
+    every rank's rows (rank 0's alone give others). And under torchrun,
     --resume of a one-process run and a --prompts-per-step that does not divide over the ranks are refused in
     one line, before anything is written."""
     data = write(tmp_path / "data.jsonl", [json.dumps({"prompt": f"Question {i}?", "answer": "1"}) for i in range(40)])
@@ -3896,11 +3996,12 @@ def test_two_processes_filter_as_one_and_refuse_what_they_cannot_run(tiny_dir, t
     assert same(two["exact"], one["exact"]), (two["exact"], one["exact"])
     assert same(two["overshoot"], one["overshoot"]), (two["overshoot"], one["overshoot"])  # the cut to B
     # completions set by each prompt (a sampler stub): every metric of the step and the evaluation is one process's
-    assert two["metrics"] == pytest.approx(one["metrics"], rel=1e-5) and len(one["metrics"]) == 25, one["metrics"]
+    assert two["metrics"] == pytest.approx(one["metrics"], rel=1e-5) and len(one["metrics"]) == 29, one["metrics"]
     assert two["eval"] == pytest.approx(one["eval"]) and one["eval"]["eval/accuracy"] == 0.3  # k % 3 == 1 of 0-9
     m = one["metrics"]
     assert 0 < m["groups/equal_frac"] < 1 and 0 < m["accuracy"] < 1 and 0 < m["completion/truncated_frac"] < 1
     assert m["sampler/logp_gap_max"] > 20 and m["train/rows"] == 6  # the largest gap: on rank 1
+    assert 0 < m["tools/call_frac"] < 1 and 0 < m["tools/errors"] < 1  # (--tools: the calls of every rank's rows)
 
 
 def test_two_processes_mixed_pool_refill_sigterm_and_resume(tiny_dir, tmp_path):
