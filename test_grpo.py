@@ -1404,8 +1404,9 @@ def test_a_reward_named_twice_is_refused(tmp_path):
 
 
 
-@pytest.mark.parametrize("expression, want", [("(12 + 3) * -4 / 5", "-12.0"), ("7 // 2 + 7 % 3", "4"), ("2 ** -2", "0.25"),
-                                              ("-(2 ** 10) - 1", "-1025"), ("10 ** 100", str(10 ** 100)), ("1.5e3", "1500.0")])
+@pytest.mark.parametrize("expression, want", [
+    ("(12 + 3) * -4 / 5", "-12.0"), ("7 // 2 + 7 % 3", "4"), ("2 ** -2", "0.25"), ("-(2 ** 10) - 1", "-1025"),
+    ("10 ** 100", str(10 ** 100)), ("1.5e3", "1500.0")])
 def test_the_calculator_by_hand(expression, want):
     assert R.calculator(expression) == want
 
@@ -2924,7 +2925,8 @@ def test_compiled_sampler_reads_this_step_s_weights_and_compiles_once(loaded):
             m = grpo.train_step(model, None, opt, groups, a)
             assert m["sampler/logp_gap"] < 1e-4  # sampled at the weights the trainer starts the step from
             grpo.generate(model, tok, texts[:1], 1, a, greedy=True, sampler=sampler)  # evaluation's: same shape
-            prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a, sampler=sampler)[:4]
+            prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a,
+                                                             sampler=sampler)[:4]
             now, mask = trainer_logps(model, tok, a, prompts, comps, 4)
             stale, _ = trainer_logps(old, tok, a, prompts, comps, 4)
             drawn = padded(logps, mask)
@@ -3252,8 +3254,9 @@ def test_tiny_py_builds_a_model_from_the_command_line(tmp_path, monkeypatch, cap
     import runpy
     monkeypatch.setattr(sys, "argv", ["tiny.py", str(tmp_path / "m")])
     runpy.run_path(os.path.join(HERE, "tiny.py"), run_name="__main__")
-    a = grpo.parse_args(["--model", str(tmp_path / "m")])
-    assert grpo.load_model(a, torch.device("cpu"))[0].config.num_hidden_layers == 2
+    a = grpo.parse_args(["--model", str(tmp_path / "m"), "--tools", "calculator"])
+    model, tok, _ = grpo.load_model(a, torch.device("cpu"))
+    assert model.config.num_hidden_layers == 2 and grpo.load_tools(a, tok)["names"] == ["calculator"]  # (README's)
     monkeypatch.setattr(sys, "argv", ["tiny.py"])
     with pytest.raises(SystemExit, match="^usage: python tiny.py DIR"):
         runpy.run_path(os.path.join(HERE, "tiny.py"), run_name="__main__")

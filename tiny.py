@@ -27,8 +27,8 @@ TOOLS_CHAT_TEMPLATE = (
     "{% if m.content %}{{ nl }}{{ m.content }}{% endif %}{% for call in m.tool_calls %}"
     "{% set call = call.function or call %}{{ nl }}<tool_call>{{ nl }}{\"name\": \"{{ call.name }}\", \"arguments\": "
     "{{ call.arguments | tojson }}{{ '}' }}{{ nl }}</tool_call>{% endfor %}<|im_end|>{{ nl }}"
-    "{% elif not (loop.first and m.role == 'system') %}<|im_start|>{{ m.role }}{{ nl }}{{ m.content }}<|im_end|>{{ nl }}"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant{{ nl }}{% endif %}")
+    "{% elif not (loop.first and m.role == 'system') %}<|im_start|>{{ m.role }}{{ nl }}{{ m.content }}<|im_end|>"
+    "{{ nl }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant{{ nl }}{% endif %}")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
 # Qwen2's pre-tokenizer: words with their leading space, digits one by one, punctuation runs
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
@@ -132,8 +132,8 @@ def ddp_updates(model_dir, out):
 
 if __name__ == "__main__":
     import sys
-    if len(sys.argv) == 2:  # python tiny.py DIR: a tiny random model to try grpo.py on (--model DIR)
-        print(f"a tiny random Qwen2 and its tokenizer in {make_tiny(sys.argv[1])}")
+    if len(sys.argv) == 2:  # python tiny.py DIR: a tiny random model to try grpo.py on (--model DIR, --tools too)
+        print(f"a tiny random Qwen2 and its tokenizer in {make_tiny(sys.argv[1], chat_template=TOOLS_CHAT_TEMPLATE)}")
     elif len(sys.argv) == 3:  # the two-process test: python tiny.py MODEL_DIR OUT.pt, or under torchrun
         ddp_updates(sys.argv[1], sys.argv[2])
     else:
