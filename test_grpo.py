@@ -3941,7 +3941,8 @@ def generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None):  
              .input_ids + [tok.eos_token_id] * ((k + j) % 3 > 0) for k, j in rows]  # (k + j) % 3 == 0: truncated
     prompts = [tok(t, add_special_tokens=False, return_tensors="pt").input_ids[0] for t in texts]
     odd = [places.index(f"Question {k}?") % 2 for k, _ in rows]  # its place in a round: odd on rank 1 of 2
-    called = [(k + j) % 2 for k, j in rows]  # a call's result: the completion's 3rd and 4th tokens, a tool's
+    called = [(k + j) % 2 * (1 + o) for (k, j), o in zip(rows, odd)]  # calls: twice as many on rank 1 of 2; their
+    # results: the completion's 3rd and 4th tokens, a tool's
     calls = [[{"name": "calculator", "arguments": {}, "result": "1", **({"error": True} if k % 4 == 1 else {})}] * c
              for (k, _), c in zip(rows, called)]
     return (prompts, [torch.tensor(c) for c in comps], [(k + j) % 3 == 0 for k, j in rows],
