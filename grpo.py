@@ -16,8 +16,8 @@ Every other variant is a flag and one place (papers beside the code): the token 
 around it, token_objective: --beta/--kl, --tis(-mode), --opsm-delta, --entropy-coef; the rewards, advantage
 and mask, step_terms: --kl-in-reward, --adv-estimator rloo | reinforce_plus_plus_baseline | gdpo, --scale
 batch, --soft-reweight, --top-entropy-quantile, --mask-truncated. --dry-run prints what the flags add up to.
-Mixed pool (--teacher-pool): G_s samples and G_t cached teacher completions with frozen rewards in one
-group (as in LUFFY, 2504.14945); --split-grads backpropagates the two apart. Departures: README.
+Mixed pool (--teacher-pool): G_s samples and G_t cached teacher completions with frozen rewards in one group
+(as in LUFFY, 2504.14945); --split-grads backpropagates them apart. Tool calls: --tools. Departures: README.
 Shapes: B prompts a step, G completions a prompt (G_s + G_t), N rows (B*G, or a micro-batch), P prompt
 length (left padded), C completion length (<= T = max_new_tokens), H hidden size, V vocabulary.
 """
@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from rewards import REWARDS, is_correct, overlong_penalty, reference_answer
+from rewards import REWARDS, calculator, is_correct, overlong_penalty, reference_answer
 
 
 def dash(name: str) -> str:
@@ -103,6 +103,9 @@ class Args:
     top_p: float = flag(1.0, "nucleus sampling (1: off)", bounds="(0, 1]")
     top_k: int = flag(0, "top-k sampling (0: off)")
     compile_generate: str = flag("auto", "compiled sampler (auto: with CUDA)", ("auto", "on", "off"))
+    tools: str = flag("", "tools the model may call: calculator, PATH.py (its public functions), PATH.py:f,g")
+    max_tool_calls: int = flag(8, "tool calls a completion at most (--tools)")
+    tool_timeout: float = flag(10.0, "seconds a call may run, then its process is killed", bounds="(0, inf)")
     rewards: str = flag("correct", "built-in rewards, weighted: correct:1,format:0.2 (rewards.py)")  # reward
     reward_fn: str = flag("", "your own reward, PATH.py:FUNCTION; used alone unless --rewards is given")
     overlong_penalty: bool = flag(False, "DAPO §3.4 soft overlong punishment added to the reward")
@@ -162,7 +165,7 @@ NEEDS = {  # a flag -> the flag it acts with (not at its default), or the values
     "surrogate clip", "max_gen_rounds": "dynamic_sampling", "scale": "adv_estimator grpo", "sapo_tau_pos":
     "surrogate sapo", "sapo_tau_neg": "surrogate sapo", "cov_kl_coef": "surrogate kl_cov", "cov_ratio":
     "surrogate clip_cov kl_cov", "cov_low": "surrogate clip_cov", "cov_high": "surrogate clip_cov"}
-PATHS = ("model", "dataset", "eval_dataset", "reward_fn", "teacher_pool")  # RESUMABLE: may change on --resume
+PATHS = ("model", "dataset", "eval_dataset", "reward_fn", "teacher_pool", "tools")  # may move on --resume
 RESUMABLE = {"resume", "overwrite", "output_dir", "max_steps", "save_every", "eval_every", "eval_prompts",
              "eval_samples", "log_samples", "wandb_project", "compile_generate", "dry_run", *PATHS,
              "micro_batch_size", "gradient_checkpointing"}  # memory only (clip_cov, kl_cov: per micro-batch)
@@ -340,7 +343,7 @@ def read_records(source: str, split: str) -> list[tuple[str, dict]]:
         fail(f"{source}: no examples")
     return rows
 
-def load_examples(source: str, split: str, graded: bool, reward_fns=()) -> list[dict]:
+def load_examples(source: str, split: str, graded: bool, reward_fns=(), keywords=None) -> list[dict]:
     """prompt/answer records or GSM8K's question/answer ('... #### N'); graded: a reward reads the answer."""
     out = []
     for where, rec in read_records(source, split):
@@ -358,9 +361,9 @@ def load_examples(source: str, split: str, graded: bool, reward_fns=()) -> list[
         out.append({**rec, "prompt": prompt, "answer": answer})
         fields = {k: v for k, v in out[-1].items() if k != "answer"}
         for name, fn, _ in reward_fns:  # bound as score() will call it: a field a reward needs is here
-            try:  # a keyword-only parameter with a default is the reward's own (rewards.py): no record's
-                kw = inspect.getfullargspec(fn).kwonlydefaults or {}  # (and T, that a partial binds)
-                inspect.signature(fn).bind(answer, answer, **fields, **{**kw, "length": 0})
+            try:  # a keyword-only parameter with a default (and T, that a partial binds) is the reward's own
+                kw = {**(inspect.getfullargspec(fn).kwonlydefaults or {}), **(keywords or {"length": 0})}
+                inspect.signature(fn).bind(answer, answer, **fields, **kw)
             except TypeError as e:  # a keyword the reward requires and the record lacks, or the reverse
                 fail(f"{where}: reward {name!r} cannot take this record's fields: {e}")
     return out
@@ -372,7 +375,7 @@ def load_data(a: Args, reward_fns=()) -> tuple[list[dict], list[dict]]:
         train = arithmetic_task(20000, a.seed)
         evals = [] if a.eval_dataset else arithmetic_task(a.eval_prompts, 0, held_out=True)
     else:
-        train = load_examples(a.dataset, "train", graded, reward_fns)
+        train = load_examples(a.dataset, "train", graded, reward_fns, reward_keywords(a, 0))
     if a.eval_dataset:
         evals = load_examples(a.eval_dataset, "test", graded)  # (no reward sees them)
     return train[:a.max_samples or None], evals[:a.eval_prompts]
@@ -465,31 +468,56 @@ def make_optimizer(a: Args, model):
     return optimizer(params, lr=a.learning_rate, weight_decay=a.weight_decay)
 
 # ----------------------------------------------------------------------------- generate
-def chat_prompt(tok, prompt: str, system: str) -> str:
+def chat_prompt(tok, prompt: str, system: str, tools: dict | None = None) -> str:
     if not tok.chat_template:
         return prompt
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": prompt})
-    return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    schemas = tools and tools["schemas"]  # --tools: shown as the model was trained to read them
+    return tok.apply_chat_template(messages, tools=schemas, tokenize=False, add_generation_prompt=True)
 
-def completion_mask(ids: torch.Tensor, eos_ids) -> tuple[torch.Tensor, torch.Tensor]:
-    """ids (N, C) -> mask (N, C): 1 up to and including the first EOS, 0 after; truncated (N,): no EOS.
-    By position, never by `ids == pad`: with pad == eos that would drop the EOS, an action to learn."""
+def completion_mask(ids: torch.Tensor, eos_ids) -> torch.Tensor:
+    """ids (N, C) -> mask (N, C): 1 up to and including the first EOS, 0 after. By position, never by
+    `ids == pad`: with pad == eos that would drop the EOS, an action to learn."""
     is_eos = torch.isin(ids, torch.as_tensor(eos_ids, device=ids.device))
     first = torch.where(is_eos.any(1), is_eos.int().argmax(1), ids.shape[1])  # (N,)
-    mask = torch.arange(ids.shape[1], device=ids.device)[None] <= first[:, None]
-    return mask, ~is_eos.any(1)
+    return torch.arange(ids.shape[1], device=ids.device)[None] <= first[:, None]
 
-@torch.no_grad()
-def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False, sampler=None):
-    """n completions a prompt -> prompt ids, completions cut after their first EOS, truncated, and the
-    sampler's log-prob of each token (NaN when greedy). sampler: compile_sampler's one shape for all calls."""
-    enc = tok(texts, return_tensors="pt", padding="max_length" if sampler else True,
-              max_length=sampler and sampler["prompt_len"], add_special_tokens=not tok.chat_template)
-    extra = -len(texts) * n % sampler["rows"] if sampler else 0  # rows added for the one shape, dropped after
-    rows = [i for i in range(len(texts)) for _ in range(n)] + [len(texts) - 1] * extra  # each prompt n times
-    ids = enc.input_ids[rows].to(model.device)  # (rows, P)
-    attn = enc.attention_mask[rows].to(model.device)
+def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False, sampler=None, tools=None):
+    """n completions a prompt, drawn until EOS or T tokens; with --tools a turn that ends in calls gets their
+    results (tool_turn) and draws on, T tokens in all. -> prompt ids, completions, truncated (no EOS at the
+    end), the sampler's log-probs (NaN: a tool's, or greedy), tool masks (0: a tool's token) and the calls."""
+    eos = model.generation_config.eos_token_id
+    prompts = [torch.tensor(ids) for ids in tok(texts, add_special_tokens=not tok.chat_template).input_ids]
+    pieces = [[] for _ in range(len(texts) * n)]  # a row's (tokens, sampler log-probs, tool mask), in order
+    calls = [[] for _ in pieces]
+    todo = list(range(len(pieces)))  # the rows still drawing
+    while todo:
+        held = [torch.cat([prompts[i // n]] + [ids for ids, _, _ in pieces[i]]) for i in todo]
+        room = [a.max_new_tokens - len(h) + len(prompts[i // n]) for i, h in zip(todo, held)]  # what T leaves
+        drawn, logp = sample(model, tok, held, max(room), a, greedy, sampler)
+        going = []
+        for i, ids, lp, m, left in zip(todo, drawn, logp, completion_mask(drawn, eos), room):
+            turn = ids[m][:left]  # up to its first EOS, within T
+            pieces[i].append((turn, lp[m][:left], torch.ones(len(turn))))
+            found = parse_tool_calls(tok.decode(turn)) if tools and turn[-1].item() in eos else []
+            if not found or len(calls[i]) + len(found) > a.max_tool_calls or len(turn) == left:
+                continue  # the completion ends with this turn
+            calls[i] += [run_tool(tools, call) for call in found]
+            result = torch.tensor(tool_turn(tok, eos, calls[i][-len(found):], left - len(turn)))
+            pieces[i].append((result, torch.full(result.shape, math.nan), torch.zeros(len(result))))
+            if len(turn) + len(result) < left:
+                going.append(i)
+        todo = going
+    comps, logps, tool_masks = ([torch.cat([piece[k] for piece in p]) for p in pieces] for k in range(3))
+    return prompts, comps, [c[-1].item() not in eos for c in comps], logps, tool_masks, calls
+
+def sample(model, tok, held: list[torch.Tensor], new_tokens: int, a: Args, greedy=False, sampler=None):
+    """A turn of each row: the tokens drawn after what it holds (its prompt, and what it drew and was given
+    since) and their log-probs (NaN when greedy), (N, C) on the CPU. sampler: compile_sampler's one shape."""
+    extra = -len(held) % sampler["rows"] if sampler else 0  # rows added for the one shape, dropped after
+    enc = tok.pad({"input_ids": held + held[-1:] * extra}, padding="max_length" if sampler else True,
+                  max_length=sampler and sampler["prompt_len"], return_tensors="pt").to(model.device)  # left
     steps, last, finite = [], [], []  # one step's (rows, V) log-probs are kept at a time, never (rows, T, V)
     def record(input_ids, scores):  # before each draw, on raw logits (ahead of temperature and top-k/p)
         if last:  # input_ids ends with the previous draw
@@ -504,30 +532,28 @@ def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False
         kw = dict(do_sample=False)
     if sampler:
         kw.update(cache_implementation="static", compile_config=sampler["compile_config"])
+        new_tokens = a.max_new_tokens
     model.eval()
     with autocast(a, model.device):
-        out = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=a.max_new_tokens,
-                             logits_processor=[record], **kw)
+        out = model.generate(**enc, max_new_tokens=new_tokens, logits_processor=[record], **kw)
     model.train()
     if not torch.stack(finite).all():
         fail("the model's logits are not finite: training diverged; lower --learning-rate")
     if last:  # the last draw
         steps.append(last.pop().gather(1, out[:, -1:])[:, 0])
-    comp = out[:len(out) - extra, ids.shape[1]:]  # (len(texts) * n, C)
+    comp = out[:len(held), enc.input_ids.shape[1]:]  # (N, C)
     logp = torch.stack(steps, 1)[:len(comp)] if steps else torch.full(comp.shape, math.nan, device=out.device)
-    mask, truncated = completion_mask(comp, model.generation_config.eos_token_id)
-    prompts = [p[m.bool()] for p, m in zip(enc.input_ids, enc.attention_mask)]
-    comps = [c[m] for c, m in zip(comp, mask)]
-    return prompts, comps, truncated.tolist(), [lp[m] for lp, m in zip(logp, mask)]
+    return comp.cpu(), logp.cpu()
 
-def longest_prompt(model, tok, a: Args, train, evals, every: bool) -> int:  # of the prompts it tokenizes
+def longest_prompt(model, tok, a: Args, train, evals, every: bool, tools=None) -> int:  # of those it reads
     room = (getattr(model.config, "max_position_embeddings", None) or math.inf) - a.max_new_tokens
-    bound = len(chat_prompt(tok, "", a.system_prompt).encode()) + 3  # a token is a byte or more, but for a
-    longest = 0  # BOS, an EOS and a leading space mark: a prompt of room - bound bytes or fewer fits
+    # a token is a byte or more, but for a BOS, an EOS and a space mark: room - bound bytes or fewer fit
+    bound = len(chat_prompt(tok, "", a.system_prompt, tools).encode()) + 3
+    longest = 0
     for source, split, examples in ((a.dataset, "train", train), (a.eval_dataset, "test", evals)):
         doubt = [i for i, ex in enumerate(examples) if every or len(ex["prompt"].encode()) + bound > room]
-        texts = [chat_prompt(tok, examples[i]["prompt"], a.system_prompt) for i in doubt]  # tok([]) fails:
-        for i, ids in zip(doubt, tok(texts or [""], add_special_tokens=not tok.chat_template).input_ids):
+        texts = [chat_prompt(tok, examples[i]["prompt"], a.system_prompt, tools) for i in doubt] or [""]
+        for i, ids in zip(doubt, tok(texts, add_special_tokens=not tok.chat_template).input_ids):  # (tok([]) fails)
             if len(ids) > room:  # refused now, not met hours in as an allocation error inside generate
                 where = read_records(source, split)[i][0] if source else "the built-in task"
                 fail(f"{where}: a prompt of {len(ids)} tokens, with --max-new-tokens {a.max_new_tokens}, is "
@@ -547,7 +573,91 @@ def compile_sampler(model, a: Args, prompt_len: int, world: int = 1) -> dict | N
         config = CompileConfig(dynamic=False, backend="eager", mode=None)
     config._compile_all_devices = True
     rows = a.prompts_per_step // world * a.num_generations
+    prompt_len += a.max_new_tokens if a.tools else 0  # --tools: a row draws on after results, all it holds
     return dict(prompt_len=prompt_len, rows=rows, compile_config=config)
+
+def parse_tool_calls(text: str) -> list[dict]:
+    """The calls a turn makes, in Qwen2.5's (Hermes') format, <tool_call>{"name": ..., "arguments": {...}}
+    </tool_call>, one or more; one not so is kept as its text. FORKER: another family's format goes here."""
+    calls = []
+    for part in text.split("<tool_call>")[1:]:
+        body = part.partition("</tool_call>")[0]
+        try:
+            call = json.loads(body)
+            calls.append({"name": call["name"], "arguments": call["arguments"]})
+        except (ValueError, TypeError, KeyError):  # not JSON, not an object, without either
+            calls.append({"name": None, "arguments": body})
+    return calls
+
+def tool_turn(tok, eos: list[int], calls: list[dict], room: int) -> list[int]:
+    """The tokens from a turn that made calls to the next: each result as a tool message, then the generation
+    prompt, as the chat template renders them (as TRL's), within room: a result is cut at 8 chars a token."""
+    chat = [{"role": "user", "content": ""}, {"role": "assistant", "content": "", "tool_calls": [
+        {"type": "function", "function": {"name": c["name"], "arguments": {}}} for c in calls]}]
+    results = [{"role": "tool", "name": c["name"], "content": c["result"][:8 * room]} for c in calls]
+    head = tok.apply_chat_template(chat, return_dict=False)
+    full = tok.apply_chat_template(chat + results, return_dict=False, add_generation_prompt=True)
+    end = max(i for i, t in enumerate(head) if t in eos) + 1  # after the turn's EOS, the model's own
+    if full[:end] != head[:end]:
+        fail("--tools: the chat template renders a turn that made calls otherwise once results follow it")
+    return full[end:end + room]
+
+def load_tools(a: Args, tok) -> dict:
+    """--tools: their JSON schemas (transformers' get_json_schema, from type hints and docstrings, as TRL's),
+    and the process their calls run in (TOOL_WORKER). A file that does not load: one line, at start-up."""
+    from transformers.utils import get_json_schema
+    path, names = split_path(a.tools)
+    if a.tools == "calculator":  # the built-in, rewards.py's
+        path, names = inspect.getfile(calculator), ":calculator"
+    try:
+        found = runpy.run_path(path)  # as --reward-fn's file; the calls run in a process of their own
+        public = [k for k, v in found.items() if inspect.isfunction(v) and v.__module__ == "<run_path>"]
+        chosen = names[1:].split(",") if names else [k for k in public if not k.startswith("_")]
+        schemas = [get_json_schema(found[k]) for k in chosen]
+    except (Exception, SystemExit) as e:
+        fail(f"--tools {a.tools!r}: {type(e).__name__}: {e}")
+    shown = chat_prompt(tok, "", "", {"schemas": schemas})
+    if not schemas or not all(s["function"]["name"] in shown for s in schemas):
+        fail(f"--tools {a.tools!r}: no tool, or a chat template (--model's) that shows none: {shown[:60]!r}")
+    tool_turn(tok, [tok.eos_token_id], [{"name": "f", "result": ""}], 1)  # a tool message renders
+    return dict(schemas=schemas, names=chosen, argv=[sys.executable, "-c", TOOL_WORKER, path], proc=None,
+                timeout=a.tool_timeout, dir=tempfile.TemporaryDirectory(prefix="grpo_tools_"))
+
+TOOL_WORKER = r"""if True:  # `python -c`: a fresh interpreter (without torch) in a directory of its own
+    import json, os, runpy, sys
+    replies = os.fdopen(os.dup(1), "w", encoding="utf-8", errors="replace")  # (a lone surrogate sent as '?')
+    for fd in (1, 2):  # what a tool prints or logs: /dev/null
+        os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+    sys.path.insert(0, os.path.dirname(sys.argv[1]))  # the tools file's directory, as when it is run
+    tools = runpy.run_path(sys.argv[1])
+    for name, arguments in map(json.loads, sys.stdin):
+        try:
+            reply = {"result": str(tools[name](**arguments))}
+        except BaseException as e:
+            reply = {"result": f"error: {type(e).__name__}: {e}", "error": True}
+        print(json.dumps(reply, ensure_ascii=False), file=replies, flush=True)
+"""
+
+def run_tool(tools: dict, call: dict) -> dict:
+    """A call, in the tools' process (started again after a crash or a timeout): the call, its result (what
+    the model reads) and "error" if it failed: no such tool, no JSON object, it raised, crashed, timed out."""
+    import select  # (only the tools' process needs these two)
+    import subprocess
+    if call["name"] not in tools["names"] or type(call["arguments"]) is not dict:
+        return {**call, "result": f"error: call one of {tools['names']} with a JSON object", "error": True}
+    if tools["proc"] is None or tools["proc"].poll() is not None:
+        tools["proc"] = subprocess.Popen(tools["argv"], cwd=tools["dir"].name, encoding="utf-8",
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    proc = tools["proc"]
+    print(json.dumps([call["name"], call["arguments"]]), file=proc.stdin, flush=True)
+    ready = select.select([proc.stdout], [], [], tools["timeout"])[0]
+    line = proc.stdout.readline() if ready else ""
+    if line.endswith("\n"):
+        return {**call, **json.loads(line)}
+    proc.kill()
+    proc.wait()
+    why = f"ran past --tool-timeout {tools['timeout']:g} s" if not ready else f"exit code {proc.returncode}"
+    return {**call, "result": f"error: its process was ended ({why})", "error": True, "timeout": not ready}
 
 # ----------------------------------------------------------------------------- reward and groups
 def parse_rewards(spec: str) -> list[tuple[str, str, float]]:
@@ -588,18 +698,18 @@ def build_rewards(a: Args) -> list[tuple[str, object, float]]:
             fns[i] = (name, functools.wraps(fn)(functools.partial(fn, max_length=a.max_new_tokens)), weight)
     return fns
 
-def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns, a: Args):
+def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns, a: Args, calls=None):
     """Rewards (n,), each function's values, and the words --dry-run shows for what is added. A function gets
-    the completion, the answer and, as keywords, the example's other fields (as TRL's) and `length` (tokens);
+    the completion, the answer and, as keywords, the example's other fields (as TRL's) and reward_keywords;
     one that raises or gives no number stops the run."""
     total = torch.zeros(len(texts))
     per_fn = {}
     for name, fn, weight in reward_fns:
         values = []
-        for text, ex, n in zip(texts, examples, lengths):
+        for text, ex, n, c in zip(texts, examples, lengths, calls or [0] * len(texts)):
             fields = {k: v for k, v in ex.items() if k != "answer"}
             try:
-                values.append(fn(text, ex["answer"], **fields, length=n))
+                values.append(fn(text, ex["answer"], **fields, **reward_keywords(a, n, c)))
             except (Exception, SystemExit) as e:  # a user's reward: say which one and why, then stop
                 fail(f"reward {name!r} raised {type(e).__name__}: {e}")
             if not finite32(values[-1]):
@@ -611,6 +721,9 @@ def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns
         total += torch.tensor([overlong_penalty(n, a.max_new_tokens, a.overlong_buffer) for n in lengths])
         words = f" + overlong(L_cache={a.overlong_buffer})"
     return total, per_fn, words
+
+def reward_keywords(a: Args, length: int, calls: int = 0) -> dict:  # tokens, the tools' too (as T counts)
+    return dict(length=length, tool_calls=calls) if a.tools else dict(length=length)  # --tools: calls made
 
 def select_groups(rewards: torch.Tensor, a: Args) -> tuple[torch.Tensor, bool, str]:
     """rewards (n, G): every rank's groups so far, in sampling order -> the indices of those to train, whether
@@ -647,7 +760,7 @@ def all_gather(obj) -> list:  # [every rank's obj]
     dist.all_gather_object(out, obj)
     return out
 
-def rollout(model, tok, stream, reward_fns, pool, a: Args, sampler=None, rank=0, world=1):
+def rollout(model, tok, stream, reward_fns, pool, a: Args, sampler=None, rank=0, world=1, tools=None):
     """A step's groups: in rounds, this rank's share of B prompts, G_s samples each and G_t teacher
     completions, scored; the groups to train chosen from every rank's (select_groups). Returns this rank's
     groups to train (in sampling order), the step's metrics and every group sampled."""
@@ -657,12 +770,13 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, sampler=None, rank=0,
     for rounds in range(1, a.max_gen_rounds + 1):
         batch = [next(stream) for _ in range(a.prompts_per_step)][rank::world]  # whole groups per rank
         t0 = time.time()
-        texts = [chat_prompt(tok, ex["prompt"], a.system_prompt) for ex in batch]
-        prompts, comps, truncated, logps = generate(model, tok, texts, G_s, a, sampler=sampler)
+        texts = [chat_prompt(tok, ex["prompt"], a.system_prompt, tools) for ex in batch]
+        prompts, comps, truncated, logps, masks, calls = generate(model, tok, texts, G_s, a, sampler=sampler,
+                                                                  tools=tools)
         t1 = time.time()
         texts = tok.batch_decode(comps, skip_special_tokens=True)
         rewards, per_fn, _ = score(texts, [ex for ex in batch for _ in range(G_s)], [len(c) for c in comps],
-                                   reward_fns, a)
+                                   reward_fns, a, [len(c) for c in calls])
         for i, ex in enumerate(batch):
             rows = slice(i * G_s, (i + 1) * G_s)
             picks = random.sample(pool[ex["prompt"]], a.teacher_per_group) if pool else []
@@ -674,6 +788,8 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, sampler=None, rank=0,
                 truncated=truncated[rows] + [False] * len(picks),
                 is_teacher=[False] * G_s + [True] * len(picks),  # teachers have no sampler log-probs:
                 sampler_logp=logps[rows] + [torch.full((len(ids),), math.nan) for _, ids, _ in picks],
+                tool_mask=masks[rows] + [torch.ones(len(ids)) for _, ids, _ in picks],
+                tool_calls=calls[rows] + [[]] * len(picks),
                 rewards=torch.cat([rewards[rows], torch.tensor([r for _, _, r in picks])]),
                 per_fn={k: v[rows] for k, v in per_fn.items()}))
         stats["time/generate"] += t1 - t0
@@ -683,10 +799,10 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, sampler=None, rank=0,
         if enough:
             break
     chosen = {everyone[i][0] for i in keep.tolist()}
-    stats.update({"groups/gen_rounds": rounds, "groups/kept": len(chosen), **group_metrics(generated)})
+    stats.update({"groups/gen_rounds": rounds, "groups/kept": len(chosen), **group_metrics(generated, a)})
     return [g for g in generated if g["order"] in chosen], stats, generated
 
-def group_metrics(groups: list[dict]) -> dict:
+def group_metrics(groups: list[dict], a: Args) -> dict:
     """Rewards, lengths and accuracy (by `correct`, whatever trains) of every rank's completions."""
     rows = sum(all_gather(sample_rows(groups, 0)), [])
     students = [r for r in rows if not r["teacher"]]
@@ -704,6 +820,11 @@ def group_metrics(groups: list[dict]) -> dict:
         part = [r for r in rows if r["teacher"] == (source == "teacher")]
         out[f"reward/mean_{source}"] = statistics.mean(r["reward"] for r in part)
         out[f"completion/mean_length_{source}"] = statistics.mean(r["length"] for r in part)
+    if a.tools:  # calls a completion; the share of completions that call, of calls that fail, that time out
+        per = [len(r["tool_calls"]) for r in students]
+        calls = [c for r in students for c in r["tool_calls"]] or [{}]  # ({}: no call, no error)
+        out.update({"tools/calls": statistics.mean(per), "tools/call_frac": statistics.mean(map(bool, per))})
+        out.update({f"tools/{k}s": statistics.mean(c.get(k, 0) for c in calls) for k in ("error", "timeout")})
     return out
 
 def collate(groups: list[dict], pad_id: int, device) -> dict:
@@ -721,7 +842,7 @@ def collate(groups: list[dict], pad_id: int, device) -> dict:
         ids[r, P - len(prompt):P] = prompt
         ids[r, P:P + len(comp)] = comp
         attn[r, P - len(prompt):] = 1  # after-EOS padding stays attended: causal, masked out of the loss
-        mask[r, :len(comp)] = 1
+        mask[r, :len(comp)] = g["tool_mask"][i] if "tool_mask" in g else 1  # --tools: 0 on a tool's tokens
         sampler_logp[r, :len(comp)] = g["sampler_logp"][i]
     batch = dict(input_ids=ids, attention_mask=attn, mask=mask, sampler_logp=sampler_logp,
                  reward=torch.tensor([float(g["rewards"][i]) for g, i in rows]),  # (N,)
@@ -814,6 +935,9 @@ def step_terms(s: dict, a: Args):
     next; a statistic over the step (a quantile, a batch std) sees every rank's rows."""
     R, mask, stats, G = s["reward"], s["mask"], {}, a.num_generations + a.teacher_per_group
     words = {"R": "", "m": "1 up to and including the first EOS"}
+    if a.tools:  # collate's mask: 0 on a tool's tokens, so no term, normaliser or |o_i| counts them
+        words["m"] = (f"1 on the model's tokens to its last EOS, 0 on the results of ≤{a.max_tool_calls} "
+                      f"{a.tools} calls (≤{a.tool_timeout:g} s each) and the template's tokens around them")
     if a.kl_in_reward:  # as verl's use_kl_in_reward: k1 = log π_old - log π_ref summed over o_i
         kl = torch.where(mask > 0, s["old_logp"] - s["ref_logp"], 0).sum(-1)  # (M,)
         R = R - a.kl_in_reward * kl
@@ -1126,7 +1250,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1 - math.comb(n - c, k) / math.comb(n, k)
 
 @torch.no_grad()
-def evaluate(model, tok, examples: list[dict], a: Args, rank: int = 0, world: int = 1, sampler=None) -> dict:
+def evaluate(model, tok, examples: list[dict], a: Args, rank=0, world=1, sampler=None, tools=None) -> dict:
     """Greedy accuracy on held-out prompts, split over ranks; with --eval-samples k, also mean@k and pass@j
     of k samples a prompt, drawn from a random stream of their own (the run's is untouched)."""
     def n_correct(n: int, **kw) -> list[int]:  # correct completions of n a prompt, every rank's prompts
@@ -1135,8 +1259,8 @@ def evaluate(model, tok, examples: list[dict], a: Args, rank: int = 0, world: in
         counts = []
         for i in range(0, len(mine), per_call):
             chunk = mine[i:i + per_call]
-            texts = [chat_prompt(tok, ex["prompt"], a.system_prompt) for ex in chunk]
-            comps = generate(model, tok, texts, n, a, sampler=sampler, **kw)[1]
+            texts = [chat_prompt(tok, ex["prompt"], a.system_prompt, tools) for ex in chunk]
+            comps = generate(model, tok, texts, n, a, sampler=sampler, tools=tools, **kw)[1]
             texts = tok.batch_decode(comps, skip_special_tokens=True)
             for j, ex in enumerate(chunk):
                 counts.append(sum(is_correct(t, ex["answer"]) for t in texts[j * n:(j + 1) * n]))
@@ -1246,6 +1370,7 @@ def sample_rows(groups: list[dict], step: int) -> list[dict]:
              "rewards": None if teacher else {k: v[i].item() for k, v in g["per_fn"].items()},
              "reward": g["rewards"][i].item(), "adv": g["adv"][i].item() if "adv" in g else None,
              "length": len(g["completions"][i]), "truncated": bool(g["truncated"][i]),
+             "tool_calls": g["tool_calls"][i],
              "correct": is_correct(text, g["answer"])}
             for g in groups for i, (text, teacher) in enumerate(zip(g["texts"], g["is_teacher"]))]
 
@@ -1326,8 +1451,9 @@ def start(a: Args):
     torch.manual_seed(a.seed)  # the same LoRA init on every rank
     model, tok, ref_model = load_model(a, device, ckpt if a.resume else None)
     pool = load_teacher_pool(a, train, tok) if a.teacher_pool else None
+    tools = load_tools(a, tok) if a.tools else None
     compiled = a.compile_generate == "on" or a.compile_generate == "auto" and device.type == "cuda"
-    longest = longest_prompt(model, tok, a, train, evals, every=compiled)  # one past the context fails
+    longest = longest_prompt(model, tok, a, train, evals, compiled, tools)  # one past the context fails
     sampler = compile_sampler(model, a, longest, world) if compiled else None
     opt = make_optimizer(a, model)
     torch.manual_seed(a.seed + 1000 * rank)  # sampling and teacher draws differ per rank, and repeat per run
@@ -1345,7 +1471,7 @@ def start(a: Args):
     run = argparse.Namespace(  # done: the last completed step's state; saved: the last checkpoint's step
         rank=rank, world=world, device=device, model=model, tok=tok, ref_model=ref_model, opt=opt, bar=bar,
         sampler=sampler, reward_fns=reward_fns, pool=pool, evals=evals, stream=stream, start=state["step"],
-        done=state, saved=state["step"], busy=False, stop=0, flat=0, bad_steps=0)
+        done=state, saved=state["step"], busy=False, stop=0, flat=0, bad_steps=0, tools=tools)
     if rank == 0:
         open_output(run, a)
     return run
@@ -1440,7 +1566,7 @@ def main(argv=None):
     on_signal(run)
     try:
         if a.eval_every and run.evals and run.start == 0:  # where the run starts from, as papers report it
-            m = evaluate(run.model, run.tok, run.evals, a, run.rank, run.world, run.sampler)
+            m = evaluate(run.model, run.tok, run.evals, a, run.rank, run.world, run.sampler, run.tools)
             if run.rank == 0:
                 write_log(run, a, {"step": 0, **m})
         for step in run.bar:
@@ -1449,7 +1575,7 @@ def main(argv=None):
                 raise KeyboardInterrupt
             run.t0 = time.time()
             groups, m, generated = rollout(run.model, run.tok, run.stream, run.reward_fns, run.pool, a,
-                                           run.sampler, run.rank, run.world)
+                                           run.sampler, run.rank, run.world, run.tools)
             run.busy = True  # from here to the end of the step (or of the run), a signal waits for it
             t1 = time.time()
             m["lr"] = a.learning_rate * min(1, step / max(1, a.warmup_steps))  # linear warm-up, then constant
@@ -1459,7 +1585,8 @@ def main(argv=None):
                 m.update(train_step(run.model, run.ref_model, run.opt, groups, a))
             m["time/train"] = time.time() - t1
             if a.eval_every and run.evals and (step % a.eval_every == 0 or step == a.max_steps):
-                m.update(evaluate(run.model, run.tok, run.evals, a, run.rank, run.world, run.sampler))
+                m.update(evaluate(run.model, run.tok, run.evals, a, run.rank, run.world, run.sampler,
+                                  run.tools))
             if end_step(run, a, step, m, generated):
                 break
     except BaseException as e:  # a signal outside an update (KeyboardInterrupt), or an error

@@ -1,5 +1,5 @@
 """Reward functions for grpo.py: answer extraction, math correctness, format, length-scaled
-correctness (cosine), n-gram repetition, overlong shaping.
+correctness (cosine), n-gram repetition, overlong shaping; and `calculator`, the built-in tool (--tools).
 
 A reward is `fn(completion: str, answer: str, **kw) -> float`: the completion text
 (special tokens stripped), the reference answer (for GSM8K the number after
@@ -13,12 +13,14 @@ yours there, or pass `--reward-fn my_file.py:my_fn` without touching this file. 
 reward that grades against the answer is marked `@reads_answer`: grpo.py then
 refuses records whose answer is empty.
 
-Model text is never eval'd or exec'd. Every regex here is linear-time and
+Model text is never eval'd or exec'd (the calculator walks Python's parse tree). Every regex here is linear-time and
 every answer and number is capped in length, so adversarial text (megabytes of
 digits, nested braces, unicode) returns a finite float quickly. The standard
 library only; `math_verify` (optional) imports its package when first called.
 """
+import ast
 import math
+import operator
 import re
 from fractions import Fraction
 
@@ -256,6 +258,37 @@ def repetition(completion: str, answer: str, *, ngram_size: int = 3, max_penalty
 
 REWARDS = {"correct": correct, "correct_pm1": correct_pm1, "format": r1_format, "math_verify": math_verify,
            "cosine": cosine, "repetition": repetition}
+
+
+# ------------------------------------------------------------------------------ the built-in tool
+CALCULATOR_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+                  ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+
+
+def calculator(expression: str) -> str:
+    """Evaluates arithmetic: numbers, + - * / // % ** and parentheses, e.g. "(12 + 3) * -4 / 5".
+
+    Args:
+        expression: the arithmetic expression
+    """
+    if len(expression) > 1000:
+        raise ValueError("the expression is longer than 1000 characters")
+    def value(node):  # walks the parse tree: no name, call or attribute is ever reached, nothing is eval'd
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            x = node.value
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            x = -value(node.operand)
+        elif isinstance(node, ast.BinOp) and type(node.op) in CALCULATOR_OPS:
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Pow) and abs(right) > 100:  # before it is computed: 9**9**9 never is
+                raise ValueError("an exponent over 100")
+            x = CALCULATOR_OPS[type(node.op)](left, right)
+        else:
+            raise ValueError(f"not arithmetic: {ast.unparse(node)!r}")
+        if isinstance(x, complex) or not abs(x) <= 1e100:  # (-8) ** 0.5; inf, nan; numbers of over 100 digits
+            raise ValueError("the result is not a real number within ±1e100")
+        return x
+    return str(value(ast.parse(expression, mode="eval").body))
 
 
 def overlong_penalty(length: int, max_len: int, buffer: int) -> float:

@@ -79,6 +79,18 @@ def eos_dir(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session")
+def tools_dir(tmp_path_factory):
+    """The tiny model with a chat template that renders tools as Qwen2.5-Instruct's does (tiny.TOOLS_CHAT_TEMPLATE)."""
+    return tiny.make_tiny(str(tmp_path_factory.mktemp("tools") / "model"), chat_template=tiny.TOOLS_CHAT_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def tools_loaded(tools_dir):
+    a = grpo.parse_args(["--model", tools_dir, "--algo", "drgrpo", "--tools", "calculator"] + TINY)
+    model, tok, _ = grpo.load_model(a, torch.device("cpu"))
+    return a, model, tok, grpo.load_tools(a, tok)
+
 @pytest.fixture(autouse=True)
 def signal_handlers():
     """grpo.main() installs its own handlers of grpo.STOPS (and tests an alarm): none is left behind; nor is the
@@ -530,6 +542,67 @@ def test_entropy_bonus_against_verl(agg, value):
     assert torch.allclose(g_H, -0.01 * per_token * x["mask"], rtol=0, atol=1e-15)
 
 
+
+# tool tokens (--tools) inside completions of 5, 3, 4 and 1 tokens: 0 where a tool's result (and the template's
+# words around it) stands, as collate makes the mask from each row's tool_mask
+TOOL_MASK = [[1, 1, 0, 0, 1], [1, 0, 1, 1, 1], [1, 0, 0, 1, 1], [1, 1, 1, 1, 1]]
+
+
+def tool_groups():
+    """peer_inputs' completion lengths (5, 3, 4, 1) as one group, each row's tool mask cut from TOOL_MASK."""
+    comps = [torch.arange(4, 4 + n) for n in (5, 3, 4, 1)]
+    return [dict(prompt_ids=torch.tensor([1, 2]), completions=comps, truncated=[False] * 4, order=0, per_fn={},
+                 is_teacher=[False] * 4, rewards=torch.zeros(4), sampler_logp=[torch.zeros(len(c)) for c in comps],
+                 tool_mask=[torch.tensor(TOOL_MASK[i][:len(c)], dtype=torch.float) for i, c in enumerate(comps)])]
+
+
+@pytest.mark.parametrize("kw", [dict(surrogate="clip", beta=0.04, kl="k3", entropy_coef=0.01),
+                                dict(surrogate="cispo", beta=0.04, kl="k3_ratio"),
+                                dict(surrogate="sapo", beta=0.04, kl="k2", entropy_coef=0.01),
+                                dict(surrogate="gmpo", entropy_coef=0.01), dict(surrogate="vespo", beta=0.04),
+                                dict(surrogate="clip_cov", cov_ratio=0.5), dict(surrogate="kl_cov", cov_ratio=0.5),
+                                dict(ratio="sequence", dual_clip=3.0), dict(tis=2.0, tis_mode="sequence_mask"),
+                                dict(opsm_delta=0.1, tis=2.0)], ids=lambda kw: "-".join(map(str, kw.values())))
+@pytest.mark.parametrize("agg", grpo.LOSS_AGGS)
+def test_tool_tokens_get_no_gradient_and_leave_the_loss_as_it_is(kw, agg):
+    """collate's mask is 0 on tool tokens (each row's tool_mask), and through it no term reaches them: for every
+    surrogate, KL estimator, the entropy bonus, IS weights and aggregation, the gradient there (log-probs and
+    entropy) is exactly 0, and other values there (pi, pi_old, pi_ref, the sampler's, H: +3) change no loss."""
+    b = grpo.collate(tool_groups(), 0, "cpu")
+    x = peer_inputs()
+    tool = (x["mask"] == 1) & (torch.tensor(TOOL_MASK) == 0)  # inside a completion, a tool's
+    assert torch.equal(b["mask"].double(), x["mask"] * torch.tensor(TOOL_MASK)) and tool.sum() == 5
+    x["mask"] = b["mask"].double()
+    torch.manual_seed(0)  # (clip_cov draws its tokens)
+    loss, g, g_H = objective(x, agg, **kw)
+    assert not g[tool].any() and not g_H[tool].any() and g.abs().sum() > 0
+    for k in ("logp", "old_logp", "sampler_logp", "ref_logp", "entropy"):
+        x[k] = torch.where(tool, x[k] + 3.0, x[k])
+    torch.manual_seed(0)
+    assert objective(x, agg, **kw)[0] == loss
+
+
+@pytest.mark.parametrize("kw, value, grad", [
+    (dict(agg="seq-mean-token-mean", beta=0.04, kl="k3"), 0.07983751868966835,  # TRL's "grpo", beta 0.04
+     [[-0.1031733468, -0.0933964565, 0, 0, -0.0748799567], [0.0815763019, 0, 0.0879270079, 0, 0],
+      [-0.0535754041, 0, 0, -0.0658090716, 0], [0.000896602, 0, 0, 0, 0]]),
+    (dict(agg="token-mean", entropy_coef=0.01), -0.21891518033418575,  # TRL's "dapo", entropy_coef 0.01
+     [[-0.1510518243, -0.1393557969, 0, 0, -0.1134862701], [0.0812520798, 0, 0.0885441511, 0, 0],
+      [-0.0549267735, 0, 0, -0.0670225681, 0], [0] * 5]),
+    (dict(agg="seq-mean-token-sum-norm", beta=0.04, kl="k3_ratio"), -0.08179610525099512,  # "dr_grpo", bias-
+     [[-0.0615381643, -0.0559984129, 0, 0, -0.0449925901], [0.0326253423, 0, 0.0351821122, 0, 0],  # corrected KL
+      [-0.0214168964, 0, 0, -0.0262128055, 0], [0.0001364435, 0, 0, 0, 0]]),
+    (dict(agg="token-mean", beta=0.04, kl="k3_ratio"), -0.2044902631274878,  # "bnpo", bias-corrected KL
+     [[-0.1538454106, -0.1399960324, 0, 0, -0.1124814753], [0.0815633559, 0, 0.0879552804, 0, 0],
+      [-0.0535422409, 0, 0, -0.0655320136, 0], [0.0003411088, 0, 0, 0, 0]])])
+def test_tool_masked_loss_and_gradient_against_trl(kw, value, grad):
+    """TRL 1.16.0 GRPOTrainer._compute_loss on peer_inputs with tool_mask = TOOL_MASK (its loss mask: completion_mask
+    x tool_mask; num_items_in_batch counts it too), its own code run on them: the loss and d loss / d log pi."""
+    x = peer_inputs()
+    x["mask"] = grpo.collate(tool_groups(), 0, "cpu")["mask"].double()
+    loss, g, _ = objective(x, **kw)
+    assert loss == pytest.approx(value, abs=1e-12) and near(g, grad)
+
 def cov_inputs(log_r00=0.3):
     """2 rows of 2 tokens and a pad: A = 2, -1 (token mean 0.5), logp -1 -2 / -0.5 -3 (mean -1.625), so
     cov = (A - 0.5)(logp + 1.625) = 0.9375, -0.5625 / -1.6875, 2.0625; the pad (logp 5) would top them all.
@@ -973,7 +1046,7 @@ def test_evaluate_reports_greedy_mean_and_pass_at_k(loaded, monkeypatch):
     a = replace(a, eval_samples=4)
     right = {"p0": 0, "p1": 1, "p2": 3}  # right sampled answers per prompt; greedy is right on p2 only
 
-    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None):
+    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None):
         prompts = [next(p for p in right if p in t) for t in texts]
         answers = [("7" if greedy and p == "p2" else "0") if greedy else ("7" if i < right[p] else "0")
                    for p in prompts for i in range(n)]
@@ -1021,14 +1094,13 @@ def test_the_built_in_task_beside_an_eval_dataset_larger_than_its_held_out_part(
 def test_completion_mask_keeps_first_eos(pad):
     eos = 2
     ids = torch.tensor([[5, 6, eos, pad, pad], [5, eos, 7, eos, pad], [5, 6, 7, 8, 9], [eos, pad, pad, pad, pad]])
-    mask, truncated = grpo.completion_mask(ids, [eos])
+    mask = grpo.completion_mask(ids, [eos])
     assert mask.int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
-    assert truncated.tolist() == [False, False, True, False]
 
 
 def test_completion_mask_several_eos_ids():
-    mask, truncated = grpo.completion_mask(torch.tensor([[4, 9, 3, 3], [4, 3, 9, 9]]), [3, 9])
-    assert mask.int().tolist() == [[1, 1, 0, 0], [1, 1, 0, 0]] and not truncated.any()
+    mask = grpo.completion_mask(torch.tensor([[4, 9, 3, 3], [4, 3, 9, 9]]), [3, 9])
+    assert mask.int().tolist() == [[1, 1, 0, 0], [1, 1, 0, 0]]
 
 
 # ============================================================================= rewards
@@ -1348,6 +1420,7 @@ def test_reward_functions_get_the_record_s_fields_and_the_length(tmp_path):
     assert seen == [("all", "", {"prompt": "Write f.", "tests": ["assert f() == 1"], "length": 5}),
                     ("some", "", "Write f.")]
     assert grpo.load_examples(write(tmp_path / "d.jsonl", [json.dumps(ex)]), "train", False, fns) == [ex]
+    assert grpo.load_examples(write(tmp_path / "d.jsonl", [json.dumps(ex)]), "train", False, fns, {"length": 0}) == [ex]
     only = [("only", lambda c, ans, *, tests, **kw: float(len(tests)), 1.0)]  # keyword-only, no default: the record's
     assert grpo.load_examples(write(tmp_path / "d.jsonl", [json.dumps(ex)]), "train", False, only) == [ex]
     assert grpo.score(["x"], [ex], [1], only, a)[0].item() == 1.0
@@ -1472,6 +1545,39 @@ def test_a_reward_named_twice_is_refused(tmp_path):
             grpo.build_rewards(grpo.parse_args(argv))
     assert [n for n, _, _ in grpo.build_rewards(grpo.parse_args(["--reward-fn", mine]))] == ["correct"]
 
+
+
+@pytest.mark.parametrize("expression, want", [
+    ("(12 + 3) * -4 / 5", "-12.0"), ("7 // 2 + 7 % 3", "4"), ("2 ** -2", "0.25"), ("-(2 ** 10) - 1", "-1025"),
+    ("10 ** 100", str(10 ** 100)), ("1.5e3", "1500.0")])
+def test_the_calculator_by_hand(expression, want):
+    assert R.calculator(expression) == want
+
+
+@pytest.mark.parametrize("expression, says", [
+    ("__import__('os')", "not arithmetic"), ("(1).real", "not arithmetic"), ("x + 1", "not arithmetic"),
+    ("'a' * 3", "not arithmetic"), ("True + 1", "not arithmetic"), ("abs(-1)", "not arithmetic"),
+    ("9**9**9", "an exponent over 100"), ("1" * 10000, "longer than 1000 characters"),
+    ("10 ** 100 * 10", "within ±1e100"), ("2 ** 0.5 * 1e308", "within ±1e100"), ("(-8) ** 0.5", "within ±1e100"),
+    ("1" * 101, "within ±1e100")])
+def test_the_calculator_refuses_all_but_bounded_arithmetic(expression, says):
+    """Names, calls, attributes, strings and booleans are never reached (the parse tree is walked, nothing is
+    eval'd); an exponent over 100 is refused before it is computed, and every number is bounded."""
+    with pytest.raises(ValueError, match=says):
+        R.calculator(expression)
+
+
+def test_tool_calls_are_parsed_in_qwen2_5_s_format():
+    text = ('I will compute. <tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>'
+            '<tool_call>{"name": "f", "arguments": {"x": [1, 2]}}</tool_call><tool_call>{"name": "f", "x": 1}'
+            '</tool_call><tool_call>{"name": "f", "arguments": {"x": 1,}}</tool_call><tool_call>[1]</tool_call>'
+            '<tool_call>{"name": "f"<|im_end|>')
+    assert grpo.parse_tool_calls(text) == [
+        {"name": "calculator", "arguments": {"expression": "6*7"}}, {"name": "f", "arguments": {"x": [1, 2]}},
+        {"name": None, "arguments": '{"name": "f", "x": 1}'},  # no arguments, not JSON, not an object, not closed:
+        {"name": None, "arguments": '{"name": "f", "arguments": {"x": 1,}}'},  # the text, which the model is told
+        {"name": None, "arguments": "[1]"}, {"name": None, "arguments": '{"name": "f"<|im_end|>'}]
+    assert grpo.parse_tool_calls("no call: <tool_response>\n42\n</tool_response>") == []
 
 # ============================================================================= flags and data
 PAPERS = {  # README's table, from the papers, written out here: never read from grpo.PRESETS
@@ -1709,7 +1815,7 @@ def test_dry_run_shows_every_flag_that_changes_the_objective():
     every_term = grpo.Args(dynamic_sampling=True, overlong_penalty=True, overlong_buffer=10, soft_reweight=True,
                            beta=0.1, teacher_pool="pool.jsonl", teacher_per_group=2, split_grads=True,
                            top_k_groups=2, mask_truncated=True, tis=2.0, dual_clip=3.0, num_iterations=2,
-                           reward_fn="rw.py:f")
+                           reward_fn="rw.py:f", tools="calculator")
     bases = [every_term, grpo.Args()] + [replace(every_term, surrogate=s, dual_clip=0.0)
                                          for s in ("sapo", "clip_cov", "kl_cov")]
     def formula(a):
@@ -2094,7 +2200,7 @@ def test_train_logps_match_the_sampler(loaded, loaded_bf16, dtype, atol):
     sampler = torch.stack(out.logits, 1).log_softmax(-1).gather(-1, comp[..., None])[..., 0]
     attn = torch.cat([enc.attention_mask, torch.ones_like(comp)], 1)
     logp, entropy = grpo.token_logps(model, out.sequences, attn, comp.shape[1])
-    mask, _ = grpo.completion_mask(comp, model.generation_config.eos_token_id)
+    mask = grpo.completion_mask(comp, model.generation_config.eos_token_id)
     assert (logp[mask] - sampler[mask].float()).abs().max() <= atol
     assert (entropy > 0).all() and (entropy <= math.log(len(tok)) + 1e-4).all()
 
@@ -2108,7 +2214,7 @@ def test_sampling_ignores_the_model_s_own_generation_defaults(tmp_path):
                      eos_token_id=2).save_pretrained(path)
     a = grpo.parse_args(["--model", path, "--max-new-tokens", "8"])
     model, tok, _ = grpo.load_model(a, torch.device("cpu"))
-    _, comps, _, _ = grpo.generate(model, tok, [grpo.chat_prompt(tok, "1+1?", "")], 8, a)
+    _, comps, _, _ = grpo.generate(model, tok, [grpo.chat_prompt(tok, "1+1?", "")], 8, a)[:4]
     assert len({tuple(c.tolist()) for c in comps}) > 1
     assert model.generation_config.eos_token_id == [tok.eos_token_id]
 
@@ -2124,7 +2230,7 @@ def test_every_eos_id_of_the_model_ends_a_completion(eos_dir):
     assert model.generation_config.eos_token_id == sorted(eos) and len(eos) == 22
     torch.manual_seed(0)
     texts = [grpo.chat_prompt(tok, t, a.system_prompt) for t in TEXTS]
-    _, comps, truncated, logps = grpo.generate(model, tok, texts, 8, a)
+    _, comps, truncated, logps = grpo.generate(model, tok, texts, 8, a)[:4]
     for c, cut, lp in zip(comps, truncated, logps):
         ends = [i for i, t in enumerate(c.tolist()) if t in eos]
         assert ends == ([] if cut else [len(c) - 1]) and (len(c) == 12 or not cut) and len(lp) == len(c)
@@ -2505,10 +2611,10 @@ def test_the_overlong_penalty_reaches_the_reward(loaded, monkeypatch):
     a = grpo.parse_args(["--algo", "dapo", "--overlong-buffer", "4"] + TINY)
     lengths, cut = [2, 8, 9, 11, 12, 12, 3, 10], [False] * 5 + [True] + [False] * 2
 
-    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None):
+    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None):
         prompts = [torch.tensor(tok(t, add_special_tokens=False).input_ids) for t in texts]
         comps = [torch.tensor([7] * (k - 1) + [7 if c else tok.eos_token_id]) for k, c in zip(lengths, cut)]
-        return prompts, comps, cut, [torch.zeros(k) for k in lengths]
+        return prompts, comps, cut, [torch.zeros(k) for k in lengths], [torch.ones(k) for k in lengths], [[]] * 8
     monkeypatch.setattr(grpo, "generate", fake_generate)
     stream = grpo.prompt_stream(grpo.arithmetic_task(100, 0), 0)
     seen = []
@@ -2845,6 +2951,307 @@ def test_a_diverged_model_stops_sampling_with_one_line(loaded):
             grpo.generate(model, tok, [grpo.chat_prompt(tok, "1+1?", "")], 2, a, greedy=greedy)
 
 
+
+# ----------------------------------------------------------------------------- tool calls in the rollout
+CALL = '<tool_call>\n{{"name": "calculator", "arguments": {{"expression": "{}"}}}}\n</tool_call>'
+# Qwen2.5-Instruct's turn of tool results and the next turn's start, written out (its template's words)
+RESULTS = "\n<|im_start|>user{}<|im_end|>\n<|im_start|>assistant\n"
+RESULT = "\n<tool_response>\n{}\n</tool_response>"
+
+
+def scripted(tok, script, held=None, logp=-0.5):
+    """A stand-in for grpo.sample: its k-th call draws script[k][r] for its r-th row (the text, then EOS), each
+    token at log-prob `logp`, padded after; `held` gets what each call's rows held (a prompt and all after it)."""
+    turns = iter(script)
+
+    def sample(model, tok_, rows, new_tokens, a, greedy=False, sampler=None):
+        if held is not None:
+            held.append([r.tolist() for r in rows])
+        drawn = [tok(t, add_special_tokens=False).input_ids + [tok.eos_token_id] for t in next(turns)]
+        out = torch.full((len(drawn), max(map(len, drawn))), tok.pad_token_id)
+        for r, ids in enumerate(drawn):
+            out[r, :len(ids)] = torch.tensor(ids)
+        return out, torch.full(out.shape, logp)
+    return sample
+
+
+def test_a_completion_with_two_tool_turns_by_hand(tools_loaded, monkeypatch):
+    """A row calls the calculator, then twice in one turn (one call fails), then answers; its neighbour answers at
+    once. The completion is every token after the prompt: each turn drawn with its EOS, then the results as
+    Qwen2.5's template writes them and the next turn's start; the tool mask is 1 on the drawn tokens alone, the
+    sampler's log-probs NaN on the others; only the row that called draws again, after all it holds."""
+    a, model, tok, tools = tools_loaded
+    a = replace(a, max_new_tokens=500)
+    turns = [CALL.format("6*7"), "Two more. " + CALL.format("2**10") + CALL.format("1/0"), "\\boxed{42}"]
+    held = []
+    monkeypatch.setattr(grpo, "sample", scripted(tok, [[turns[0], "\\boxed{1}"], turns[1:2], turns[2:]], held))
+    prompt = grpo.chat_prompt(tok, "What is 6*7?", "", tools)
+    prompts, comps, truncated, logps, masks, calls = grpo.generate(model, tok, [prompt], 2, a, tools=tools)
+    ids = lambda text: tok(text, add_special_tokens=False).input_ids  # noqa: E731
+    eos = [tok.eos_token_id]
+    results = [RESULTS.format(RESULT.format(42)),
+               RESULTS.format(RESULT.format(1024) + RESULT.format("error: ZeroDivisionError: division by zero"))]
+    pieces = [(ids(turns[0]) + eos, 1), (ids(results[0]), 0), (ids(turns[1]) + eos, 1), (ids(results[1]), 0),
+              (ids(turns[2]) + eos, 1)]
+    assert comps[0].tolist() == sum((p for p, _ in pieces), []) and comps[1].tolist() == ids("\\boxed{1}") + eos
+    assert masks[0].tolist() == sum(([m] * len(p) for p, m in pieces), []) and masks[1].tolist() == [1] * 10
+    assert torch.equal(logps[0].isnan(), masks[0] == 0) and (logps[0][masks[0] == 1] == -0.5).all()
+    assert truncated == [False, False] and prompts[0].tolist() == ids(prompt)
+    assert [(c["arguments"]["expression"], c["result"], c.get("error", False)) for c in calls[0]] == [
+        ("6*7", "42", False), ("2**10", "1024", False), ("1/0", "error: ZeroDivisionError: division by zero", True)]
+    assert calls[1] == [] and [len(h) for h in held] == [2, 1, 1]
+    assert held[1] == [ids(prompt) + sum((p for p, _ in pieces[:2]), [])]
+    assert held[2] == [ids(prompt) + sum((p for p, _ in pieces[:4]), [])]
+
+
+def test_t_counts_the_tools_tokens_and_max_tool_calls_ends_a_completion(tools_loaded, monkeypatch):
+    """T counts every token after the prompt: a result that would pass it is cut at T (the row is truncated and
+    draws no more); a turn whose calls would pass --max-tool-calls ends the completion, its calls not run."""
+    a, model, tok, tools = tools_loaded
+    turns = [CALL.format("6*7"), CALL.format("2**10") + CALL.format("1/0"), "\\boxed{42}"]
+    ids = lambda text: tok(text, add_special_tokens=False).input_ids  # noqa: E731
+    first = len(ids(turns[0]) + ids(RESULTS.format(RESULT.format(42)))) + 1
+    T = first + len(ids(turns[1])) + 1 + 5  # the second turn's results get 5 tokens
+    for limit, want_len, cut, n_calls in ((8, T, True, 3), (2, T - 5, False, 1)):
+        held = []
+        monkeypatch.setattr(grpo, "sample", scripted(tok, [turns[:1], turns[1:2], turns[2:]], held))
+        b = replace(a, max_new_tokens=T, max_tool_calls=limit)
+        _, comps, truncated, _, masks, calls = grpo.generate(model, tok, ["q"], 1, b, tools=tools)
+        assert len(comps[0]) == want_len and truncated == [cut] and len(calls[0]) == n_calls and len(held) == 2
+        assert masks[0][first + len(ids(turns[1])) + 1:].tolist() == [0] * (5 if cut else 0)
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_sampler_draws_on_after_tool_results_as_the_trainer_reads_them(tools_loaded, compiled, monkeypatch):
+    """Every row's first turn calls the calculator (scripted); the real sampler draws the next turn after the
+    prompt, the call and its result, plain or compiled (one shape: the prompt length then covers a prompt and
+    T): its log-probs are the trainer's, read through collate from the whole completion."""
+    a, model, tok, tools = tools_loaded
+    a = replace(a, max_new_tokens=180)
+    model = copy.deepcopy(model)
+    texts = [grpo.chat_prompt(tok, t, a.system_prompt, tools) for t in TEXTS]
+    first_turn = [len(tok(t, add_special_tokens=False).input_ids) for t in texts]
+    real, first = grpo.sample, scripted(tok, [[CALL.format("6*7")] * 8], logp=math.nan)  # (no sampler's)
+    monkeypatch.setattr(grpo, "sample", lambda *args: (first if len(args[2][0]) in first_turn else real)(*args))
+    sampler = grpo.compile_sampler(model, a, max(first_turn)) if compiled else None
+    torch.manual_seed(0)
+    prompts, comps, truncated, logps, masks, calls = grpo.generate(model, tok, texts, 4, a, sampler=sampler,
+                                                                   tools=tools)
+    assert all(len(c) == 1 for c in calls) and all(m[-1] == 1 and (m == 0).any() for m in masks)
+    logp, mask = trainer_logps(model, tok, a, prompts, comps, 4)
+    drawn = (padded(masks, mask) == 1) & padded(logps, mask).isfinite() & (mask == 1)  # the real sampler's
+    assert drawn.sum() > 100 and (logp - padded(logps, mask))[drawn].abs().max() < 1e-4
+
+
+TOOLS_FILE = '''import ctypes, os, sys, time
+def add(a: int, b: int) -> int:
+    """Adds two numbers, printing and leaving a file where it runs.
+
+    Args:
+        a: a number
+        b: another
+    """
+    print("noise")
+    os.write(1, b"raw noise\\n")
+    os.write(2, b"raw errors\\n")
+    open("left.txt", "w").write("x")
+    os.chdir("/")
+    return a + b
+def boom() -> str:
+    """Raises."""
+    raise ValueError("no")
+def hang() -> str:
+    """Never returns."""
+    time.sleep(10000)
+def die() -> str:
+    """Ends its process."""
+    os._exit(3)
+def crash() -> str:
+    """Crashes its process."""
+    ctypes.string_at(0)
+def big() -> str:
+    """A megabyte."""
+    return "x" * 2 ** 20 + "\\ud800"
+def _helper():
+    pass
+'''
+
+
+def test_every_failure_of_a_tool_is_a_result_and_nothing_it_does_touches_the_run(tools_dir, tmp_path, capfd):
+    """The tools run in a process of their own, in a directory of its own, their output discarded: a print, a
+    file left behind or a chdir reach neither the run's output nor its working directory. A tool that raises, one
+    that is not there, arguments that are not a JSON object or not its own, a crash (os._exit, a segfault) and a
+    timeout are each a result the model reads ("error: ..."); the process starts again after the last two; a
+    megabyte comes back whole (a lone surrogate as '?') and is cut to what T leaves when rendered."""
+    (tmp_path / "t.py").write_text(TOOLS_FILE)
+    a = grpo.parse_args(["--model", tools_dir, "--tools", f"{tmp_path}/t.py", "--tool-timeout", "120"])
+    tok = grpo.load_model(a, torch.device("cpu"))[1]
+    tools = grpo.load_tools(a, tok)
+    assert tools["names"] == ["add", "boom", "hang", "die", "crash", "big"]  # every public function
+
+    def call(name, arguments=None):
+        return grpo.run_tool(tools, {"name": name, "arguments": arguments or {}})
+    here = os.getcwd()
+    assert call("add", {"a": 2, "b": 3}) == {"name": "add", "arguments": {"a": 2, "b": 3}, "result": "5"}
+    assert os.getcwd() == here and not os.path.exists("left.txt") and "noise" not in "".join(capfd.readouterr())
+    assert os.path.exists(os.path.join(tools["dir"].name, "left.txt"))
+    assert call("boom") == {"name": "boom", "arguments": {}, "result": "error: ValueError: no", "error": True}
+    no_such = "error: call one of ['add', 'boom', 'hang', 'die', 'crash', 'big'] with a JSON object"
+    assert call("_helper")["result"] == call("open")["result"] == no_such and call("open")["error"]
+    bad_json = grpo.parse_tool_calls('<tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>')[0]
+    assert grpo.run_tool(tools, bad_json)["result"] == call("add", [1, 2])["result"] == no_such
+    assert call("add", {"c": 1})["result"].startswith("error: TypeError: ")
+    pid = tools["proc"].pid
+    assert call("die") == {"name": "die", "arguments": {}, "result": "error: its process was ended (exit code 3)",
+                           "error": True, "timeout": False}
+    assert call("add", {"a": 1, "b": 1})["result"] == "2" and tools["proc"].pid != pid  # started again
+    assert call("crash")["result"] == f"error: its process was ended (exit code {-signal.SIGSEGV})"
+    tools["timeout"] = 1
+    assert call("hang") == {"name": "hang", "arguments": {}, "result": "error: its process was ended (ran past "
+                            "--tool-timeout 1 s)", "error": True, "timeout": True}
+    tools["timeout"] = 120
+    assert call("add", {"a": 1, "b": 2})["result"] == "3"
+    result = call("big")
+    assert result["result"] == "x" * 2 ** 20 + "?" and "error" not in result
+    cut = grpo.tool_turn(tok, [tok.eos_token_id], [result], 50)  # what T leaves: the row ends there
+    assert cut == tok(RESULTS.format(RESULT.format("x" * 400)), add_special_tokens=False).input_ids[:50]
+
+
+@pytest.mark.parametrize("body, spec, says", [
+    ("def f(x: int) -> int:\n    return (x\n", "", "SyntaxError"),
+    ("import no_such_module\n", "", "ModuleNotFoundError: No module named 'no_such_module'"),
+    ("def f(x: int) -> int:\n    return x\n", "", "DocstringParsingException"),  # no docstring: no schema
+    ("def f(x):\n    '''F.\n\n    Args:\n        x: x\n    '''\n", "", "TypeHintParsingException"),
+    (TOOLS_FILE, ":add,nope", "KeyError: 'nope'"), ("import sys\nsys.exit(3)\n", "", "SystemExit: 3"),
+    ("X = 1\n", "", "no tool"), (TOOLS_FILE, ":add", "shows none")])
+def test_a_tools_file_that_cannot_serve_stops_the_run_at_start_in_one_line(tiny_dir, tools_dir, tmp_path, body,
+                                                                           spec, says):
+    (tmp_path / "t.py").write_text(body)
+    model = tiny_dir if says == "shows none" else tools_dir  # tiny's default template shows no tools
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match=f"^grpo: error: --tools '{tmp_path}/t.py{spec}': .*{says}"):
+        main(["--model", model, "--output-dir", str(out), "--tools", f"{tmp_path}/t.py{spec}"] + TINY)
+    assert not out.exists()  # before anything is written
+
+
+def test_the_tiny_model_s_tools_template_renders_as_qwen2_5_s(tools_loaded):
+    """tiny.TOOLS_CHAT_TEMPLATE against Qwen2.5-Instruct's rendering, written out: its default system message
+    when none is given, the # Tools block with one JSON schema a line, an assistant turn's calls, and results as
+    one user turn of <tool_response>s; the tools' prompt is the one chat_prompt builds."""
+    tok, tools = tools_loaded[2], tools_loaded[3]
+    schema = json.dumps(tools["schemas"][0], ensure_ascii=False)
+    assert grpo.chat_prompt(tok, "Hi", "", tools) == (
+        f"<|im_start|>system\n{tiny.QWEN_SYSTEM}\n\n# Tools\n\nYou may call one or more functions to assist with "
+        "the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+        f"{schema}\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+        'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+        "<args-json-object>}\n</tool_call><|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    chat = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "6*7"}}},
+                {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1"}}}]},
+            {"role": "tool", "content": "42"}, {"role": "tool", "content": "1"}, {"role": "assistant", "content": "A"}]
+    assert tok.apply_chat_template(chat, tokenize=False) == (
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n<|im_start|>assistant\n" + CALL.format("6*7")
+        + "\n" + CALL.format("1") + "<|im_end|>" + RESULTS.format(RESULT.format(42) + RESULT.format(1))
+        + "A<|im_end|>\n")
+    assert tiny.make_tokenizer().apply_chat_template(chat[:2], tokenize=False) == (
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ<|im_end|>\n")  # the default template, unchanged
+
+@pytest.mark.parametrize("agg", grpo.LOSS_AGGS)
+def test_a_step_trains_the_model_s_tokens_alone_and_counts_them_alone(loaded, agg):
+    """train_step's update (SGD, lr 1) with tool tokens in the completions (every third token from the second, as
+    each row's tool_mask says) equals the gradient by hand with a mask written out here: no loss and no KL there,
+    and |o_i| and both normalisers count the model's tokens alone (Dr. GRPO's T stays T); it differs from the
+    update that trains them too."""
+    a, model, tok = loaded
+    a = replace(a, loss_agg=agg, max_grad_norm=0.0, max_new_tokens=6, scale="std", micro_batch_size=3, beta=0.04,
+                tools="calculator")
+    groups = tiny.fixed_groups(tok, REWARDS, a)
+    for g in groups:
+        g["tool_mask"] = [torch.tensor([float(j % 3 != 1) for j in range(len(c))]) for c in g["completions"]]
+    batch = {**grpo.collate(groups, tok.pad_token_id, "cpu"), "adv": adv_rows(groups, a)}
+    lengths = [len(c) for g in groups for c in g["completions"]]
+    mask = torch.tensor([[float(j < n and j % 3 != 1) for j in range(max(lengths))] for n in lengths])
+    assert torch.equal(batch["mask"], mask) and (mask.sum(1) < torch.tensor(lengths)).sum() > 8
+    update, _ = sgd_update(model, a, groups, tok.pad_token_id)
+    assert_same_update(update, hand_update(model, {**batch, "mask": mask}, agg, 6, beta=0.04))
+    everything = torch.tensor([[float(j < n) for j in range(max(lengths))] for n in lengths])
+    every = hand_update(model, {**batch, "mask": everything}, agg, 6, beta=0.04)
+    assert not all(torch.allclose(every[n], v, rtol=1e-3) for n, v in update.items())
+
+
+def test_the_reward_sees_the_whole_text_its_length_and_its_calls(tools_loaded, monkeypatch, tmp_path):
+    """rollout with tools: a reward gets the whole completion's text (the results in it), `length` (every token
+    after the prompt, as T counts them) and `tool_calls`; the step's tools/ metrics are over every completion,
+    and each completion's calls are in its samples.jsonl row."""
+    a, model, tok, tools = tools_loaded
+    a = replace(a, max_new_tokens=300, prompts_per_step=1, num_generations=4)
+    script = [[CALL.format("6*7"), CALL.format("1/0") + CALL.format("2"), "\\boxed{3}", "\\boxed{4}"],
+              ["\\boxed{42}", "\\boxed{2}"]]
+    monkeypatch.setattr(grpo, "sample", scripted(tok, script))
+    seen = []
+
+    def judge(text, answer, length, tool_calls, **kw):
+        seen.append((text, length, tool_calls))
+        return float(tool_calls)
+    stream = grpo.prompt_stream(grpo.arithmetic_task(10, 0), 0)
+    _, m, generated = grpo.rollout(model, tok, stream, [("judge", judge, 1.0)], None, a, tools=tools)
+    comps = generated[0]["completions"]
+    assert seen == [(tok.decode(c, skip_special_tokens=True), len(c), n) for c, n in zip(comps, [1, 2, 0, 0])]
+    assert "<tool_response>\n42\n</tool_response>" in seen[0][0] and seen[0][0].endswith("\\boxed{42}")
+    assert generated[0]["rewards"].tolist() == [1, 2, 0, 0]
+    assert m["tools/calls"] == 3 / 4 and m["tools/call_frac"] == 2 / 4
+    assert m["tools/errors"] == 1 / 3 and m["tools/timeouts"] == 0  # 1/0 raised
+    rows = grpo.sample_rows(generated, 1)
+    assert [[c["result"] for c in r["tool_calls"]] for r in rows] == [
+        ["42"], ["error: ZeroDivisionError: division by zero", "2"], [], []]
+
+def forced_calls(tok, every=2):
+    """grpo.sample, but every other row's first turn is a calculator call (its log-probs NaN: not the sampler's):
+    a random tiny model calls tools in a real run. A first turn holds a prompt alone (no <|im_start|>assistant
+    after the last <|im_start|>user)."""
+    real = grpo.sample
+    call = tok(CALL.format("17*23"), add_special_tokens=False).input_ids + [tok.eos_token_id]
+
+    def sample(model, tok_, held, new_tokens, a, greedy=False, sampler=None):
+        drawn, logp = real(model, tok_, held, new_tokens, a, greedy, sampler)
+        drawn = torch.cat([drawn, torch.full((len(drawn), len(call)), tok.pad_token_id)], 1)
+        logp = torch.cat([logp, torch.zeros(len(drawn), len(call))], 1)
+        for r, h in enumerate(held):
+            if r % every == 0 and "<tool_response>" not in tok.decode(h):
+                drawn[r, :len(call)] = torch.tensor(call)
+                logp[r, :len(call)] = math.nan
+        return drawn, logp
+    return sample
+
+
+def test_resume_with_tools_continues_bit_for_bit(tools_dir, tmp_path, monkeypatch):
+    """--tools calculator, every other row's first turn a call (forced), the rows drawing on after its result:
+    4 steps == 2 steps, --resume to 4 (the metrics, tools/ among them, and the adapter, bit for bit); the calls
+    and results are in samples.jsonl; tools/calls is what the rows called."""
+    tok = grpo.load_model(grpo.parse_args(["--model", tools_dir]), torch.device("cpu"))[1]
+    monkeypatch.setattr(grpo, "sample", forced_calls(tok))
+    common = ["--model", tools_dir, "--tools", "calculator", "--log-samples", "1", "--eval-every", "0"] + TINY \
+        + ["--max-new-tokens", "150"] + reward_file(tmp_path)
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    main(common + ["--output-dir", straight, "--max-steps", "4"])
+    main(common + ["--output-dir", split, "--max-steps", "2"])
+    main(["--output-dir", split, "--resume", "--max-steps", "4"])
+    assert steady(metrics(split)) == steady(metrics(straight)) and len(metrics(split)) == 4
+    assert [r["tools/calls"] for r in metrics(split)] == [0.5] * 4 and metrics(split)[0]["tools/errors"] == 0
+    a, b = trained(straight), trained(split)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rows = [json.loads(r) for r in open(os.path.join(split, "samples.jsonl"))]
+    assert [r["tool_calls"] for r in rows[:2]] == [[{"name": "calculator", "arguments": {"expression": "17*23"},
+                                                     "result": "391"}], []]
+    assert "<tool_response>\n391\n</tool_response>" in rows[0]["completion"]
+
+
+def test_dry_run_says_the_tool_mask(capsys):
+    grpo.main(["--dry-run", "--tools", "calculator", "--max-tool-calls", "3", "--tool-timeout", "5"])
+    assert ("Σ_t over m_i,t = 1 on the model's tokens to its last EOS, 0 on the results of ≤3 calculator calls "
+            "(≤5 s each) and the template's tokens around them\n") in capsys.readouterr().out
+
 # ----------------------------------------------------------------------------- the compiled sampler
 def trainer_logps(model, tok, a, prompts, comps, n):
     """The trainer's log-probs (and the sampler's, laid out alike) of generate()'s completions, through collate."""
@@ -2877,10 +3284,10 @@ def test_compiled_sampler_draws_what_the_uncompiled_one_draws(loaded, loaded_bf1
     model = copy.deepcopy(model)
     texts = [grpo.chat_prompt(tok, t, a.system_prompt) for t in TEXTS]
     torch.manual_seed(0)
-    plain = grpo.generate(model, tok, texts, a.num_generations, a)
+    plain = grpo.generate(model, tok, texts, a.num_generations, a)[:4]
     sampler = grpo.compile_sampler(model, a, prompt_len=300)
     torch.manual_seed(0)
-    prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a, sampler=sampler)
+    prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a, sampler=sampler)[:4]
     same = [torch.equal(x, y) for x, y in zip(plain[1], comps)]
     assert all(same) if dtype == "fp32" else sum(same) >= len(same) - 2, same  # bf16: a near-tie may flip a draw
     assert [torch.equal(x, y) for x, y in zip(plain[0], prompts)] and truncated == plain[2]
@@ -2902,7 +3309,7 @@ def test_compiled_sampler_reads_this_step_s_weights_and_compiles_once(loaded):
     sampler = grpo.compile_sampler(model, a, prompt_len=300)
     opt = grpo.make_optimizer(a, model)
     ptrs = [p.data_ptr() for p in model.parameters()]
-    prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a, sampler=sampler)
+    prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a, sampler=sampler)[:4]
     old = copy.deepcopy(model)
     with torch.compiler.set_stance("fail_on_recompile"):
         for step in range(2):
@@ -2913,7 +3320,8 @@ def test_compiled_sampler_reads_this_step_s_weights_and_compiles_once(loaded):
             m = grpo.train_step(model, None, opt, groups, a)
             assert m["sampler/logp_gap"] < 1e-4  # sampled at the weights the trainer starts the step from
             grpo.generate(model, tok, texts[:1], 1, a, greedy=True, sampler=sampler)  # evaluation's: same shape
-            prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a, sampler=sampler)
+            prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a,
+                                                             sampler=sampler)[:4]
             now, mask = trainer_logps(model, tok, a, prompts, comps, 4)
             stale, _ = trainer_logps(old, tok, a, prompts, comps, 4)
             drawn = padded(logps, mask)
@@ -2936,7 +3344,7 @@ def test_the_sampler_draws_at_its_temperature(loaded, temperature):
     a = replace(a, temperature=temperature)
     texts = [grpo.chat_prompt(tok, t, a.system_prompt) for t in TEXTS]
     torch.manual_seed(0)
-    prompts, comps, _, _ = grpo.generate(model, tok, texts, 16, a)
+    prompts, comps, _, _ = grpo.generate(model, tok, texts, 16, a)[:4]
     groups = [dict(prompt_ids=p, completions=comps[i * 16:(i + 1) * 16], truncated=[False] * 16, order=i, per_fn={},
                    is_teacher=[False] * 16, rewards=torch.zeros(16), sampler_logp=[torch.zeros(1)] * 16)
               for i, p in enumerate(prompts)]
@@ -3005,7 +3413,7 @@ def test_the_sampler_s_logps_are_the_trainer_s_at_a_temperature_and_under_top_k_
     a = replace(a, **kw)
     texts = [grpo.chat_prompt(tok, t, a.system_prompt) for t in TEXTS]
     torch.manual_seed(0)
-    prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a)
+    prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a)[:4]
     logp, mask = trainer_logps(model, tok, a, prompts, comps, a.num_generations)
     drawn = padded(logps, mask)
     assert ((logp - drawn).abs() * mask).max() < 1e-4
@@ -3270,8 +3678,9 @@ def test_tiny_py_builds_a_model_from_the_command_line(tmp_path, monkeypatch, cap
     import runpy
     monkeypatch.setattr(sys, "argv", ["tiny.py", str(tmp_path / "m")])
     runpy.run_path(os.path.join(HERE, "tiny.py"), run_name="__main__")
-    a = grpo.parse_args(["--model", str(tmp_path / "m")])
-    assert grpo.load_model(a, torch.device("cpu"))[0].config.num_hidden_layers == 2
+    a = grpo.parse_args(["--model", str(tmp_path / "m"), "--tools", "calculator"])
+    model, tok, _ = grpo.load_model(a, torch.device("cpu"))
+    assert model.config.num_hidden_layers == 2 and grpo.load_tools(a, tok)["names"] == ["calculator"]  # (README's)
     monkeypatch.setattr(sys, "argv", ["tiny.py"])
     with pytest.raises(SystemExit, match="^usage: python tiny.py DIR"):
         runpy.run_path(os.path.join(HERE, "tiny.py"), run_name="__main__")
@@ -3304,8 +3713,8 @@ def test_a_sampler_far_from_the_trainer_stops_the_run(tiny_dir, tmp_path, monkey
     real = grpo.generate
 
     def broken(*args, **kw):  # log-probs off by 1 nat, as a broken KV cache's or a stale weight's would be
-        prompts, comps, truncated, logps = real(*args, **kw)
-        return prompts, comps, truncated, [lp - 1.0 for lp in logps]
+        prompts, comps, truncated, logps, *tools = real(*args, **kw)
+        return prompts, comps, truncated, [lp - 1.0 for lp in logps], *tools
     monkeypatch.setattr(grpo, "generate", broken)
     with pytest.raises(SystemExit, match="the sampler's log-probs are 1.000 nat from the trainer's on average .*"
                                          "--compile-generate off"):
@@ -4054,7 +4463,8 @@ SCHEDULES = {  # rewards by place in the data order: 4 prompts a round, slots 0 
 a = grpo.parse_args(["--model", model_dir, "--dataset", data, "--prompts-per-step", "4", "--num-generations", "2",
                      "--max-new-tokens", "4", "--dynamic-sampling", "--max-gen-rounds", "3", "--top-k-groups", "3",
                      "--soft-reweight", "--scale", "none", "--opsm-delta", "0.5", "--tis", "2", "--tis-mode",
-                     "token_mask", "--top-entropy-quantile", "0.5"])  # the filters count what they drop
+                     "token_mask", "--top-entropy-quantile", "0.5",  # the filters count what they drop
+                     "--tools", "calculator"])
 torch.manual_seed(0)
 model, tok, _ = grpo.load_model(a, device)
 train, _ = grpo.load_data(a)
@@ -4072,16 +4482,22 @@ for case, schedule in SCHEDULES.items():
     groups = sum(grpo.all_gather([[g["prompt"], g["rewards"].tolist(), g["adv"].tolist()] for g in kept]), [])
     result[case] = [sorted(groups), {k: v for k, v in stats.items() if k.startswith(("groups/kept", "groups/gen",
                                                                                       "adv/"))}]
-def generate(model, tok, texts, n, a, greedy=False, sampler=None):  # completions set by each prompt's number k
+def generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None):  # completions set by a prompt's k
     rows = [(int(t.split("Question ")[1].split("?")[0]), j) for t in texts for j in range(n)]
     comps = [tok(f"\\boxed{{{k % 3 if greedy else (k + j) % 2}}}" + " so" * (k % 4 + j), add_special_tokens=False)
              .input_ids + [tok.eos_token_id] * ((k + j) % 3 > 0) for k, j in rows]  # (k + j) % 3 == 0: truncated
     prompts = [tok(t, add_special_tokens=False, return_tensors="pt").input_ids[0] for t in texts]
     odd = [places.index(f"Question {k}?") % 2 for k, _ in rows]  # its place in a round: odd on rank 1 of 2
+    called = [(k + j) % 2 * (1 + o) for (k, j), o in zip(rows, odd)]  # calls: twice as many on rank 1 of 2; their
+    # results: the completion's 3rd and 4th tokens, a tool's
+    calls = [[{"name": "calculator", "arguments": {}, "result": "1", **({"error": True} if k % 4 == 1 else {})}] * c
+             for (k, _), c in zip(rows, called)]
     return (prompts, [torch.tensor(c) for c in comps], [(k + j) % 3 == 0 for k, j in rows],
-            [torch.full((len(c),), -30.0 * o) for o, c in zip(odd, comps)])  # the sampler's: 30 nat off on rank 1
-def graded(completion, answer, prompt, **kw):  # prompts 3, 6, ...: an equal-reward group
-    return 0.5 if int(prompt.split()[1][:-1]) % 3 == 0 else float(grpo.is_correct(completion, answer))
+            [torch.full((len(c),), -30.0 * o) for o, c in zip(odd, comps)],  # the sampler's: 30 nat off on rank 1
+            [torch.tensor([float(not c or i not in (2, 3)) for i in range(len(ids))]) for c, ids in zip(called, comps)],
+            calls)
+def graded(completion, answer, prompt, tool_calls, **kw):  # prompts 3, 6, ...: an equal-reward group
+    return 0.5 if int(prompt.split()[1][:-1]) % 3 == 0 else float(grpo.is_correct(completion, answer)) + tool_calls
 grpo.generate = generate  # every rank's rows in the step's metrics and in the evaluation, as one process has them
 places = [ex["prompt"] for ex in itertools.islice(grpo.prompt_stream(train, a.seed), 40)]
 kept, stats, _ = grpo.rollout(model, tok, grpo.prompt_stream(train, a.seed), [("graded", graded, 1.0)], None, a, None,
@@ -4100,8 +4516,9 @@ def test_two_processes_filter_as_one_and_refuse_what_they_cannot_run(tiny_dir, t
     """Dynamic sampling (kept groups counted over the ranks), top-k over every rank's groups and soft reweighting
     by the largest std among them: a rollout on 2 ranks keeps the groups that one process keeps, with the same
     advantages (rewards set by each prompt's place in the data order, whatever was sampled); with completions set
-    by each prompt (a stub of the sampler), every metric of the step (rollout's, train_step's) and of the evaluation
-    is the one process's, from every rank's rows (rank 0's alone give others). And under torchrun,
+    by each prompt (a stub of the sampler, some rows calling tools: --tools), every metric of the step (rollout's,
+    tools/ among them, train_step's on the tool-masked tokens) and of the evaluation is the one process's, from
+    every rank's rows (rank 0's alone give others). And under torchrun,
     --resume of a one-process run and a --prompts-per-step that does not divide over the ranks are refused in
     one line, before anything is written."""
     data = write(tmp_path / "data.jsonl", [json.dumps({"prompt": f"Question {i}?", "answer": "1"}) for i in range(40)])
@@ -4130,12 +4547,13 @@ def test_two_processes_filter_as_one_and_refuse_what_they_cannot_run(tiny_dir, t
     assert same(two["exact"], one["exact"]), (two["exact"], one["exact"])
     assert same(two["overshoot"], one["overshoot"]), (two["overshoot"], one["overshoot"])  # the cut to B
     # completions set by each prompt (a sampler stub): every metric of the step and the evaluation is one process's
-    assert two["metrics"] == pytest.approx(one["metrics"], rel=1e-5) and len(one["metrics"]) == 28, one["metrics"]
+    assert two["metrics"] == pytest.approx(one["metrics"], rel=1e-5), one["metrics"]  # the same keys, the same values
     assert two["eval"] == pytest.approx(one["eval"]) and one["eval"]["eval/accuracy"] == 0.3  # k % 3 == 1 of 0-9
     m = one["metrics"]
     assert 0 < m["groups/equal_frac"] < 1 and 0 < m["accuracy"] < 1 and 0 < m["completion/truncated_frac"] < 1
     assert m["sampler/logp_gap_max"] > 20 and m["train/rows"] == 6  # the largest gap: on rank 1
     assert all(0 < m[f"loss/{k}_frac"] < 1 for k in ("opsm", "tis", "low_entropy")), m  # (rank 0's rows, 1's)
+    assert 0 < m["tools/call_frac"] < 1 and 0 < m["tools/errors"] < 1  # (--tools: the calls of every rank's rows)
 
 
 def test_two_processes_mixed_pool_refill_sigterm_and_resume(tiny_dir, tmp_path):

@@ -7,6 +7,28 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Qwen2.5-Instruct's rendering of tools (a `# Tools` system block of JSON schemas, its default system message
+# when none is given), of an assistant's tool calls and of tool results (a user turn of <tool_response>s): the
+# subset of its chat template that --tools meets, written anew and checked against the original's output
+QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+TOOLS_CHAT_TEMPLATE = (
+    "{% set nl = '\\n' %}<|im_start|>system{{ nl }}"
+    "{{ messages[0].content if messages[0].role == 'system' else '" + QWEN_SYSTEM + "' }}"
+    "{% if tools %}{{ nl }}{{ nl }}# Tools{{ nl }}{{ nl }}You may call one or more functions to assist with the user "
+    "query.{{ nl }}{{ nl }}You are provided with function signatures within <tools></tools> XML tags:{{ nl }}<tools>"
+    "{% for tool in tools %}{{ nl }}{{ tool | tojson }}{% endfor %}{{ nl }}</tools>{{ nl }}{{ nl }}For each function "
+    "call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:{{ nl }}"
+    "<tool_call>{{ nl }}{\"name\": <function-name>, \"arguments\": <args-json-object>}{{ nl }}</tool_call>"
+    "{% endif %}<|im_end|>{{ nl }}{% for m in messages %}"
+    "{% if m.role == 'tool' %}{% if loop.first or loop.previtem.role != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ nl }}<tool_response>{{ nl }}{{ m.content }}{{ nl }}</tool_response>"
+    "{% if loop.last or loop.nextitem.role != 'tool' %}<|im_end|>{{ nl }}{% endif %}"
+    "{% elif m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant"
+    "{% if m.content %}{{ nl }}{{ m.content }}{% endif %}{% for call in m.tool_calls %}"
+    "{% set call = call.function or call %}{{ nl }}<tool_call>{{ nl }}{\"name\": \"{{ call.name }}\", \"arguments\": "
+    "{{ call.arguments | tojson }}{{ '}' }}{{ nl }}</tool_call>{% endfor %}<|im_end|>{{ nl }}"
+    "{% elif not (loop.first and m.role == 'system') %}<|im_start|>{{ m.role }}{{ nl }}{{ m.content }}<|im_end|>"
+    "{{ nl }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant{{ nl }}{% endif %}")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|unk|>"]
 # Qwen2's pre-tokenizer: words with their leading space, digits one by one, punctuation runs
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
@@ -110,8 +132,8 @@ def ddp_updates(model_dir, out):
 
 if __name__ == "__main__":
     import sys
-    if len(sys.argv) == 2:  # python tiny.py DIR: a tiny random model to try grpo.py on (--model DIR)
-        print(f"a tiny random Qwen2 and its tokenizer in {make_tiny(sys.argv[1])}")
+    if len(sys.argv) == 2:  # python tiny.py DIR: a tiny random model to try grpo.py on (--model DIR, --tools too)
+        print(f"a tiny random Qwen2 and its tokenizer in {make_tiny(sys.argv[1], chat_template=TOOLS_CHAT_TEMPLATE)}")
     elif len(sys.argv) == 3:  # the two-process test: python tiny.py MODEL_DIR OUT.pt, or under torchrun
         ddp_updates(sys.argv[1], sys.argv[2])
     else:

@@ -1,5 +1,5 @@
 """The GPU check, in one command: every preset, the mixed pool, QLoRA, full fine-tuning, a one-process
-torchrun (nccl) and the 2025-26 variants, a few steps each in bf16 on a random model of Qwen2.5-0.5B's shape
+torchrun (nccl), the 2025-26 variants and tool calls, a few steps each in bf16 on a random model of Qwen2.5-0.5B's shape
 (24 layers, vocab 151,936), with the compiled sampler (QLoRA samples uncompiled: bitsandbytes' layers do not
 compile), then bench/speed.py --device cuda against TRL. Prints one table; the sampler's log-prob gap to the
 trainer is a column.
@@ -30,6 +30,30 @@ def digits(completion, answer, **kw):  # a random model rarely answers right: a 
     return sum(c.isdigit() for c in completion[:64]) / 64
 
 
+FORCED_CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "17*23"}}\n</tool_call>'
+
+
+def force_calls(grpo):
+    """The tools row: every other row's first turn is a calculator call (its log-probs NaN: not the sampler's), so
+    the compiled sampler draws on after a tool's result, and its log-probs there meet the trainer's (logp gap)."""
+    import torch
+    real = grpo.sample
+
+    def sample(model, tok, held, new_tokens, a, greedy=False, sampler=None):
+        drawn, logp = real(model, tok, held, new_tokens, a, greedy, sampler)
+        call = torch.tensor(tok(FORCED_CALL, add_special_tokens=False).input_ids + [tok.eos_token_id])
+        for r, h in enumerate(held):
+            if r % 2 == 0 and "<tool_response>" not in tok.decode(h) and drawn.shape[1] >= len(call):
+                drawn[r, :len(call)] = call
+                logp[r, :len(call)] = float("nan")
+        return drawn, logp
+    grpo.sample = sample
+
+
+if os.environ.get("GPU_CHECK_FORCED_CALLS") and hasattr(sys.modules["__main__"], "sample"):  # loaded by grpo.py
+    force_calls(sys.modules["__main__"])
+
+
 def runs(tmp):
     data = [{"prompt": f"What is {i} + {2 * i}?", "answer": str(3 * i)} for i in range(16)]
     with open(os.path.join(tmp, "data.jsonl"), "w") as f:
@@ -54,6 +78,7 @@ def runs(tmp):
                 "--opsm-delta", "0.5", "--num-iterations", "2"]
     yield "grpo 2025-26 variants together", variants, []
     yield "drgrpo gmpo, rloo", ["--surrogate", "gmpo", "--adv-estimator", "rloo", "--num-iterations", "2"], []
+    yield "grpo --tools calculator (calls forced)", ["--tools", "calculator", "--max-new-tokens", "256"], []
 
 
 def main():
@@ -62,7 +87,8 @@ def main():
     p.add_argument("--jobs", type=int, default=1, help="runs at a time on the one GPU (the times then overlap)")
     args = p.parse_args()
     tmp = tempfile.mkdtemp()
-    model = tiny.make_tiny(os.path.join(tmp, "model"), layers=24, **tiny.QWEN25_05B)
+    model = tiny.make_tiny(os.path.join(tmp, "model"), layers=24, chat_template=tiny.TOOLS_CHAT_TEMPLATE,
+                           **tiny.QWEN25_05B)  # (renders the runs' prompts as the plain template: a system message)
 
     def one(run):
         name, extra, launcher = run
@@ -72,14 +98,16 @@ def main():
                                                 "--output-dir", out, "--reward-fn", f"{__file__}:digits",
                                                 "--rewards", "correct"] + STEPS + extra
         t0 = time.time()
-        p = subprocess.run(cmd, capture_output=True, text=True)
+        env = {**os.environ, "GPU_CHECK_FORCED_CALLS": "1" if "--tools" in extra else ""}
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env)
         wall = time.time() - t0
         if p.returncode:
             row = f"| {name} | FAILED: {(p.stderr.strip().splitlines() or ['?'])[-1][:120]} | | | | | |"
             print(row, p.stderr[-3000:], sep="\n", flush=True)
             return row
         m = [r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if r["step"]]  # step 0: eval only
-        row = (f"| {name} | ok | {wall:.0f} | {sum(r['time/generate'] for r in m) / len(m):.2f} | "
+        calls = f" ({m[-1]['tools/calls']:g} calls a completion)" if "tools/calls" in m[-1] else ""
+        row = (f"| {name} | ok{calls} | {wall:.0f} | {sum(r['time/generate'] for r in m) / len(m):.2f} | "
                f"{sum(r['time/train'] for r in m) / len(m):.2f} | {m[-1].get('grad/norm', 0):.3g} | "
                f"{max(r.get('sampler/logp_gap', 0) for r in m):.3g} |")
         print(row, flush=True)

@@ -151,7 +151,7 @@ def child_floor(model_dir, workload, steps, device, tmp):
     for step in range(steps + 1):
         t0 = time.perf_counter()
         texts = [grpo.chat_prompt(tok, d["prompt"], SYSTEM) for d in data(workload)[step * B:(step + 1) * B]]
-        prompts, comps, _, _ = grpo.generate(model, tok, texts, G, a)
+        prompts, comps = grpo.generate(model, tok, texts, G, a)[:2]
         groups = [dict(prompt_ids=prompts[i], completions=comps[i * G:(i + 1) * G], truncated=[False] * G,
                        order=i, per_fn={}, is_teacher=[False] * G, rewards=torch.zeros(G),
                        sampler_logp=[torch.zeros(len(c)) for c in comps[i * G:(i + 1) * G]]) for i in range(B)]
