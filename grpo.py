@@ -553,7 +553,7 @@ def longest_prompt(model, tok, a: Args, train, evals, every: bool, tools=None) -
     for source, split, examples in ((a.dataset, "train", train), (a.eval_dataset, "test", evals)):
         doubt = [i for i, ex in enumerate(examples) if every or len(ex["prompt"].encode()) + bound > room]
         texts = [chat_prompt(tok, examples[i]["prompt"], a.system_prompt, tools) for i in doubt] or [""]
-        for i, ids in zip(doubt, tok(texts, add_special_tokens=not tok.chat_template).input_ids):  # (tok([]) fails)
+        for i, ids in zip(doubt, tok(texts, add_special_tokens=not tok.chat_template).input_ids):
             if len(ids) > room:  # refused now, not met hours in as an allocation error inside generate
                 where = read_records(source, split)[i][0] if source else "the built-in task"
                 fail(f"{where}: a prompt of {len(ids)} tokens, with --max-new-tokens {a.max_new_tokens}, is "
