@@ -1965,7 +1965,7 @@ def test_a_number_answer_is_the_shortest_text_that_reads_back_in_its_own_precisi
     assert grpo.score(boxed, evals, [5] * 6, fns, grpo.parse_args([]))[0].tolist() == [1.0] * 6
     a, model, tok = loaded
 
-    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None):  # each prompt's boxed answer
+    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None):  # each prompt's boxed answer
         asked = [next(i for i in range(6) if f"q{i}<" in t) for t in texts]  # the prompt ends 'q3<|im_end|>'
         return None, [torch.tensor(tok(boxed[i], add_special_tokens=False).input_ids)
                       for i in asked for _ in range(n)], None, None
