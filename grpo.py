@@ -485,8 +485,9 @@ def completion_mask(ids: torch.Tensor, eos_ids) -> torch.Tensor:
 
 def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False, sampler=None, tools=None):
     """n completions a prompt, drawn until EOS or T tokens; with --tools a turn that ends in calls gets their
-    results (tool_turn) and draws on, T tokens in all. -> prompt ids, completions, truncated (no EOS at the
-    end), the sampler's log-probs (NaN: a tool's, or greedy), tool masks (0: a tool's token) and the calls."""
+    results (tool_turn) and draws on, T tokens in all. -> prompt ids, completions, truncated (not ended by
+    the model's EOS), the sampler's log-probs (NaN: a tool's, or greedy), tool masks (0: a tool's token) and
+    the calls."""
     eos = model.generation_config.eos_token_id
     prompts = [torch.tensor(ids) for ids in tok(texts, add_special_tokens=not tok.chat_template).input_ids]
     pieces = [[] for _ in range(len(texts) * n)]  # a row's (tokens, sampler log-probs, tool mask), in order
@@ -510,7 +511,13 @@ def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False
                 going.append(i)
         todo = going
     comps, logps, tool_masks = ([torch.cat([piece[k] for piece in p]) for p in pieces] for k in range(3))
-    return prompts, comps, [c[-1].item() not in eos for c in comps], logps, tool_masks, calls
+    truncated = [c[-1].item() not in eos or not m[-1] for c, m in zip(comps, tool_masks)]  # (m: a result cut)
+    return prompts, comps, truncated, logps, tool_masks, calls
+
+def model_text(tok, comps: list[torch.Tensor], tool_masks: list[torch.Tensor]) -> list[str]:
+    """What the model wrote, the text rewards and accuracy grade: its tokens, not a tool's (a result's last
+    number is not the model's answer). The calls and their results reach a reward as `tool_calls`."""
+    return tok.batch_decode([c[m > 0] for c, m in zip(comps, tool_masks)], skip_special_tokens=True)
 
 def sample(model, tok, held: list[torch.Tensor], new_tokens: int, a: Args, greedy=False, sampler=None):
     """A turn of each row: the tokens drawn after what it holds (its prompt, and what it drew and was given
@@ -706,7 +713,7 @@ def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns
     per_fn = {}
     for name, fn, weight in reward_fns:
         values = []
-        for text, ex, n, c in zip(texts, examples, lengths, calls or [0] * len(texts)):
+        for text, ex, n, c in zip(texts, examples, lengths, calls or [[]] * len(texts)):
             fields = {k: v for k, v in ex.items() if k != "answer"}
             try:
                 values.append(fn(text, ex["answer"], **fields, **reward_keywords(a, n, c)))
@@ -722,8 +729,9 @@ def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns
         words = f" + overlong(L_cache={a.overlong_buffer})"
     return total, per_fn, words
 
-def reward_keywords(a: Args, length: int, calls: int = 0) -> dict:  # tokens, the tools' too (as T counts)
-    return dict(length=length, tool_calls=calls) if a.tools else dict(length=length)  # --tools: calls made
+def reward_keywords(a: Args, length: int, calls=()) -> dict:  # tokens, the tools' too (as T counts)
+    return dict(length=length, tool_calls=list(calls)) if a.tools else dict(length=length)  # --tools: each
+    # call's name, arguments, result (and "error", "timeout" if so), as samples.jsonl shows them
 
 def select_groups(rewards: torch.Tensor, a: Args) -> tuple[torch.Tensor, bool, str]:
     """rewards (n, G): every rank's groups so far, in sampling order -> the indices of those to train, whether
@@ -774,9 +782,9 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, sampler=None, rank=0,
         prompts, comps, truncated, logps, masks, calls = generate(model, tok, texts, G_s, a, sampler=sampler,
                                                                   tools=tools)
         t1 = time.time()
-        texts = tok.batch_decode(comps, skip_special_tokens=True)
+        texts = model_text(tok, comps, masks)
         rewards, per_fn, _ = score(texts, [ex for ex in batch for _ in range(G_s)], [len(c) for c in comps],
-                                   reward_fns, a, [len(c) for c in calls])
+                                   reward_fns, a, calls)
         for i, ex in enumerate(batch):
             rows = slice(i * G_s, (i + 1) * G_s)
             picks = random.sample(pool[ex["prompt"]], a.teacher_per_group) if pool else []
@@ -1260,8 +1268,8 @@ def evaluate(model, tok, examples: list[dict], a: Args, rank=0, world=1, sampler
         for i in range(0, len(mine), per_call):
             chunk = mine[i:i + per_call]
             texts = [chat_prompt(tok, ex["prompt"], a.system_prompt, tools) for ex in chunk]
-            comps = generate(model, tok, texts, n, a, sampler=sampler, tools=tools, **kw)[1]
-            texts = tok.batch_decode(comps, skip_special_tokens=True)
+            _, comps, _, _, masks, _ = generate(model, tok, texts, n, a, sampler=sampler, tools=tools, **kw)
+            texts = model_text(tok, comps, masks)
             for j, ex in enumerate(chunk):
                 counts.append(sum(is_correct(t, ex["answer"]) for t in texts[j * n:(j + 1) * n]))
         return sum(all_gather(counts), [])

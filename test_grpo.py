@@ -1050,7 +1050,8 @@ def test_evaluate_reports_greedy_mean_and_pass_at_k(loaded, monkeypatch):
         prompts = [next(p for p in right if p in t) for t in texts]
         answers = [("7" if greedy and p == "p2" else "0") if greedy else ("7" if i < right[p] else "0")
                    for p in prompts for i in range(n)]
-        return None, [torch.tensor(tok(x, add_special_tokens=False).input_ids) for x in answers], None, None
+        comps = [torch.tensor(tok(x, add_special_tokens=False).input_ids) for x in answers]
+        return None, comps, None, None, [torch.ones(len(c)) for c in comps], None
     monkeypatch.setattr(grpo, "generate", fake_generate)
     got = grpo.evaluate(model, tok, [{"prompt": p, "answer": "7"} for p in right], a, 0, 1)
     pass2 = (0 + (1 - 3 / 6) + 1) / 3  # C(3,2)/C(4,2) = 3/6 pairs miss the one right answer; 3 right: never
@@ -1967,8 +1968,8 @@ def test_a_number_answer_is_the_shortest_text_that_reads_back_in_its_own_precisi
 
     def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None):  # each prompt's boxed answer
         asked = [next(i for i in range(6) if f"q{i}<" in t) for t in texts]  # the prompt ends 'q3<|im_end|>'
-        return None, [torch.tensor(tok(boxed[i], add_special_tokens=False).input_ids)
-                      for i in asked for _ in range(n)], None, None
+        comps = [torch.tensor(tok(boxed[i], add_special_tokens=False).input_ids) for i in asked for _ in range(n)]
+        return None, comps, None, None, [torch.ones(len(c)) for c in comps], None
     monkeypatch.setattr(grpo, "generate", fake_generate)
     assert grpo.evaluate(model, tok, evals, replace(a, eval_samples=0), 0, 1)["eval/accuracy"] == 1.0
 
@@ -3019,6 +3020,10 @@ def test_t_counts_the_tools_tokens_and_max_tool_calls_ends_a_completion(tools_lo
         _, comps, truncated, _, masks, calls = grpo.generate(model, tok, ["q"], 1, b, tools=tools)
         assert len(comps[0]) == want_len and truncated == [cut] and len(calls[0]) == n_calls and len(held) == 2
         assert masks[0][first + len(ids(turns[1])) + 1:].tolist() == [0] * (5 if cut else 0)
+    T = len(ids(turns[0])) + 1 + len(ids("\n<|im_start|>user" + RESULT.format(42) + "<|im_end|>"))  # cut at its EOS
+    monkeypatch.setattr(grpo, "sample", scripted(tok, [turns[:1]]))
+    comps, truncated = grpo.generate(model, tok, ["q"], 1, replace(a, max_new_tokens=T), tools=tools)[1:3]
+    assert comps[0][-1].item() == tok.eos_token_id and truncated == [True]  # the template's EOS, not the model's
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_the_sampler_draws_on_after_tool_results_as_the_trainer_reads_them(tools_loaded, compiled, monkeypatch):
@@ -3180,31 +3185,34 @@ def test_a_step_trains_the_model_s_tokens_alone_and_counts_them_alone(loaded, ag
     assert not all(torch.allclose(every[n], v, rtol=1e-3) for n, v in update.items())
 
 
-def test_the_reward_sees_the_whole_text_its_length_and_its_calls(tools_loaded, monkeypatch, tmp_path):
-    """rollout with tools: a reward gets the whole completion's text (the results in it), `length` (every token
-    after the prompt, as T counts them) and `tool_calls`; the step's tools/ metrics are over every completion,
-    and each completion's calls are in its samples.jsonl row."""
+def test_the_reward_grades_the_model_s_text_and_gets_its_length_and_its_calls(tools_loaded, monkeypatch, tmp_path):
+    """rollout with tools: a reward grades what the model wrote (its tokens, not a result's: a call of 6*7 and no
+    answer is not 42), gets `length` (every token after the prompt, as T counts them) and `tool_calls` (each call,
+    its result); the step's tools/ metrics are over every completion, and samples.jsonl has each row's calls."""
     a, model, tok, tools = tools_loaded
-    a = replace(a, max_new_tokens=300, prompts_per_step=1, num_generations=4)
-    script = [[CALL.format("6*7"), CALL.format("1/0") + CALL.format("2"), "\\boxed{3}", "\\boxed{4}"],
-              ["\\boxed{42}", "\\boxed{2}"]]
+    a = replace(a, max_new_tokens=400, prompts_per_step=1, num_generations=4)
+    script = [[CALL.format("6*7"), CALL.format("1/0") + CALL.format("2"), "\\boxed{3}", CALL.format("40+2")],
+              ["\\boxed{42}", "\\boxed{2}", ""]]
     monkeypatch.setattr(grpo, "sample", scripted(tok, script))
     seen = []
 
     def judge(text, answer, length, tool_calls, **kw):
-        seen.append((text, length, tool_calls))
-        return float(tool_calls)
-    stream = grpo.prompt_stream(grpo.arithmetic_task(10, 0), 0)
+        seen.append((text, length, [c["result"] for c in tool_calls]))
+        return float(len(tool_calls))
+    stream = grpo.prompt_stream([{"prompt": "What is 6*7?", "answer": "42"}], 0)
     _, m, generated = grpo.rollout(model, tok, stream, [("judge", judge, 1.0)], None, a, tools=tools)
     comps = generated[0]["completions"]
-    assert seen == [(tok.decode(c, skip_special_tokens=True), len(c), n) for c, n in zip(comps, [1, 2, 0, 0])]
-    assert "<tool_response>\n42\n</tool_response>" in seen[0][0] and seen[0][0].endswith("\\boxed{42}")
-    assert generated[0]["rewards"].tolist() == [1, 2, 0, 0]
-    assert m["tools/calls"] == 3 / 4 and m["tools/call_frac"] == 2 / 4
-    assert m["tools/errors"] == 1 / 3 and m["tools/timeouts"] == 0  # 1/0 raised
+    results = [["42"], ["error: ZeroDivisionError: division by zero", "2"], [], ["42"]]
+    assert seen == [(t, len(c), r) for t, c, r in zip(generated[0]["texts"], comps, results)]
+    assert [t for t, _, _ in seen] == [CALL.format("6*7") + "\\boxed{42}", CALL.format("1/0") + CALL.format("2") +
+                                       "\\boxed{2}", "\\boxed{3}", CALL.format("40+2")]  # no result's text
+    assert "<tool_response>\n42\n</tool_response>" in tok.decode(comps[0], skip_special_tokens=True)  # (it holds)
+    assert generated[0]["rewards"].tolist() == [1, 2, 0, 1]
+    assert m["accuracy"] == 1 / 4 and m["tools/calls"] == 4 / 4 and m["tools/call_frac"] == 3 / 4  # the last: not 42
+    assert m["tools/errors"] == 1 / 4 and m["tools/timeouts"] == 0  # 1/0 raised
     rows = grpo.sample_rows(generated, 1)
-    assert [[c["result"] for c in r["tool_calls"]] for r in rows] == [
-        ["42"], ["error: ZeroDivisionError: division by zero", "2"], [], []]
+    assert [[c["result"] for c in r["tool_calls"]] for r in rows] == results
+    assert [r["completion"] for r in rows] == [t for t, _, _ in seen]
 
 def forced_calls(tok, every=2):
     """grpo.sample, but every other row's first turn is a calculator call (its log-probs NaN: not the sampler's):
@@ -4497,7 +4505,7 @@ def generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None):  
             [torch.tensor([float(not c or i not in (2, 3)) for i in range(len(ids))]) for c, ids in zip(called, comps)],
             calls)
 def graded(completion, answer, prompt, tool_calls, **kw):  # prompts 3, 6, ...: an equal-reward group
-    return 0.5 if int(prompt.split()[1][:-1]) % 3 == 0 else float(grpo.is_correct(completion, answer)) + tool_calls
+    return 0.5 if int(prompt.split()[1][:-1]) % 3 == 0 else float(grpo.is_correct(completion, answer)) + len(tool_calls)
 grpo.generate = generate  # every rank's rows in the step's metrics and in the evaluation, as one process has them
 places = [ex["prompt"] for ex in itertools.islice(grpo.prompt_stream(train, a.seed), 40)]
 kept, stats, _ = grpo.rollout(model, tok, grpo.prompt_stream(train, a.seed), [("graded", graded, 1.0)], None, a, None,
