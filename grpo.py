@@ -164,7 +164,8 @@ NEEDS = {  # a flag -> the flag it acts with (not at its default), or the values
     "tis_mode": "tis", "tis_min": "tis", "kl": "beta", "overlong_buffer": "overlong_penalty", "dual_clip":
     "surrogate clip", "max_gen_rounds": "dynamic_sampling", "scale": "adv_estimator grpo", "sapo_tau_pos":
     "surrogate sapo", "sapo_tau_neg": "surrogate sapo", "cov_kl_coef": "surrogate kl_cov", "cov_ratio":
-    "surrogate clip_cov kl_cov", "cov_low": "surrogate clip_cov", "cov_high": "surrogate clip_cov"}
+    "surrogate clip_cov kl_cov", "cov_low": "surrogate clip_cov", "cov_high": "surrogate clip_cov",
+    "max_tool_calls": "tools", "tool_timeout": "tools"}
 PATHS = ("model", "dataset", "eval_dataset", "reward_fn", "teacher_pool", "tools")  # may move on --resume
 RESUMABLE = {"resume", "overwrite", "output_dir", "max_steps", "save_every", "eval_every", "eval_prompts",
              "eval_samples", "log_samples", "wandb_project", "compile_generate", "dry_run", *PATHS,
@@ -502,7 +503,9 @@ def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False
             turn = ids[m][:left]  # up to its first EOS, within T
             pieces[i].append((turn, lp[m][:left], torch.ones(len(turn))))
             found = parse_tool_calls(tok.decode(turn)) if tools and turn[-1].item() in eos else []
-            if not found or len(calls[i]) + len(found) > a.max_tool_calls or len(turn) == left:
+            if len(calls[i]) + len(found) > a.max_tool_calls:  # counted (metrics, rewards), not run
+                calls[i] += [{**c, "result": "error: past --max-tool-calls", "error": True} for c in found]
+            if not found or len(calls[i]) > a.max_tool_calls or len(turn) == left:
                 continue  # the completion ends with this turn
             calls[i] += [run_tool(tools, call) for call in found]
             result = torch.tensor(tool_turn(tok, eos, calls[i][-len(found):], left - len(turn)))
@@ -633,11 +636,12 @@ def load_tools(a: Args, tok) -> dict:
 TOOL_WORKER = r"""if True:  # `python -c`: a fresh interpreter (without torch) in a directory of its own
     import json, os, runpy, sys
     replies = os.fdopen(os.dup(1), "w", encoding="utf-8", errors="replace")  # (a lone surrogate sent as '?')
-    for fd in (1, 2):  # what a tool prints or logs: /dev/null
-        os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+    calls = os.fdopen(os.dup(0), encoding="utf-8")
+    for fd in (0, 1, 2):  # what a tool reads, prints or logs: /dev/null
+        os.dup2(os.open(os.devnull, os.O_RDWR), fd)
     sys.path.insert(0, os.path.dirname(sys.argv[1]))  # the tools file's directory, as when it is run
     tools = runpy.run_path(sys.argv[1])
-    for name, arguments in map(json.loads, sys.stdin):
+    for name, arguments in map(json.loads, calls):
         try:
             reply = {"result": str(tools[name](**arguments))}
         except BaseException as e:
@@ -648,13 +652,15 @@ TOOL_WORKER = r"""if True:  # `python -c`: a fresh interpreter (without torch) i
 def run_tool(tools: dict, call: dict) -> dict:
     """A call, in the tools' process (started again after a crash or a timeout): the call, its result (what
     the model reads) and "error" if it failed: no such tool, no JSON object, it raised, crashed, timed out."""
-    import select  # (only the tools' process needs these two)
+    import atexit  # (imported here: only a run with --tools needs these)
+    import select
     import subprocess
     if call["name"] not in tools["names"] or type(call["arguments"]) is not dict:
         return {**call, "result": f"error: call one of {tools['names']} with a JSON object", "error": True}
     if tools["proc"] is None or tools["proc"].poll() is not None:
         tools["proc"] = subprocess.Popen(tools["argv"], cwd=tools["dir"].name, encoding="utf-8",
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        atexit.register(tools["proc"].kill)  # a run that stops while a tool hangs leaves no process behind
     proc = tools["proc"]
     print(json.dumps([call["name"], call["arguments"]]), file=proc.stdin, flush=True)
     ready = select.select([proc.stdout], [], [], tools["timeout"])[0]

@@ -3007,19 +3007,22 @@ def test_a_completion_with_two_tool_turns_by_hand(tools_loaded, monkeypatch):
 
 def test_t_counts_the_tools_tokens_and_max_tool_calls_ends_a_completion(tools_loaded, monkeypatch):
     """T counts every token after the prompt: a result that would pass it is cut at T (the row is truncated and
-    draws no more); a turn whose calls would pass --max-tool-calls ends the completion, its calls not run."""
+    draws no more); a turn whose calls would pass --max-tool-calls ends the completion, its calls counted (an error
+    each), not run."""
     a, model, tok, tools = tools_loaded
     turns = [CALL.format("6*7"), CALL.format("2**10") + CALL.format("1/0"), "\\boxed{42}"]
     ids = lambda text: tok(text, add_special_tokens=False).input_ids  # noqa: E731
     first = len(ids(turns[0]) + ids(RESULTS.format(RESULT.format(42)))) + 1
     T = first + len(ids(turns[1])) + 1 + 5  # the second turn's results get 5 tokens
-    for limit, want_len, cut, n_calls in ((8, T, True, 3), (2, T - 5, False, 1)):
+    for limit, want_len, cut, n_calls in ((8, T, True, 3), (2, T - 5, False, 3)):
         held = []
         monkeypatch.setattr(grpo, "sample", scripted(tok, [turns[:1], turns[1:2], turns[2:]], held))
         b = replace(a, max_new_tokens=T, max_tool_calls=limit)
         _, comps, truncated, _, masks, calls = grpo.generate(model, tok, ["q"], 1, b, tools=tools)
         assert len(comps[0]) == want_len and truncated == [cut] and len(calls[0]) == n_calls and len(held) == 2
         assert masks[0][first + len(ids(turns[1])) + 1:].tolist() == [0] * (5 if cut else 0)
+        assert [c["result"] for c in calls[0]][1:] == (["1024", "error: ZeroDivisionError: division by zero"] if cut
+                                                       else ["error: past --max-tool-calls"] * 2)
     T = len(ids(turns[0])) + 1 + len(ids("\n<|im_start|>user" + RESULT.format(42) + "<|im_end|>"))  # cut at its EOS
     monkeypatch.setattr(grpo, "sample", scripted(tok, [turns[:1]]))
     comps, truncated = grpo.generate(model, tok, ["q"], 1, replace(a, max_new_tokens=T), tools=tools)[1:3]
@@ -3076,6 +3079,9 @@ def crash() -> str:
 def big() -> str:
     """A megabyte."""
     return "x" * 2 ** 20 + "\\ud800"
+def ask() -> str:
+    """Reads its standard input."""
+    return repr(sys.stdin.read())
 def _helper():
     pass
 '''
@@ -3091,7 +3097,7 @@ def test_every_failure_of_a_tool_is_a_result_and_nothing_it_does_touches_the_run
     a = grpo.parse_args(["--model", tools_dir, "--tools", f"{tmp_path}/t.py", "--tool-timeout", "120"])
     tok = grpo.load_model(a, torch.device("cpu"))[1]
     tools = grpo.load_tools(a, tok)
-    assert tools["names"] == ["add", "boom", "hang", "die", "crash", "big"]  # every public function
+    assert tools["names"] == ["add", "boom", "hang", "die", "crash", "big", "ask"]  # every public function
 
     def call(name, arguments=None):
         return grpo.run_tool(tools, {"name": name, "arguments": arguments or {}})
@@ -3100,11 +3106,12 @@ def test_every_failure_of_a_tool_is_a_result_and_nothing_it_does_touches_the_run
     assert os.getcwd() == here and not os.path.exists("left.txt") and "noise" not in "".join(capfd.readouterr())
     assert os.path.exists(os.path.join(tools["dir"].name, "left.txt"))
     assert call("boom") == {"name": "boom", "arguments": {}, "result": "error: ValueError: no", "error": True}
-    no_such = "error: call one of ['add', 'boom', 'hang', 'die', 'crash', 'big'] with a JSON object"
+    no_such = "error: call one of ['add', 'boom', 'hang', 'die', 'crash', 'big', 'ask'] with a JSON object"
     assert call("_helper")["result"] == call("open")["result"] == no_such and call("open")["error"]
     bad_json = grpo.parse_tool_calls('<tool_call>{"name": "add", "arguments": {"a": 1,}}</tool_call>')[0]
     assert grpo.run_tool(tools, bad_json)["result"] == call("add", [1, 2])["result"] == no_such
     assert call("add", {"c": 1})["result"].startswith("error: TypeError: ")
+    assert call("ask")["result"] == "''" and call("add", {"a": 1, "b": 0})["result"] == "1"  # (not the next call)
     pid = tools["proc"].pid
     assert call("die") == {"name": "die", "arguments": {}, "result": "error: its process was ended (exit code 3)",
                            "error": True, "timeout": False}
@@ -3119,6 +3126,34 @@ def test_every_failure_of_a_tool_is_a_result_and_nothing_it_does_touches_the_run
     assert result["result"] == "x" * 2 ** 20 + "?" and "error" not in result
     cut = grpo.tool_turn(tok, [tok.eos_token_id], [result], 50)  # what T leaves: the row ends there
     assert cut == tok(RESULTS.format(RESULT.format("x" * 400)), add_special_tokens=False).input_ids[:50]
+
+
+def test_a_run_that_ends_while_a_tool_hangs_leaves_no_process_behind(tools_dir, tmp_path):
+    """The tools' process is killed as the trainer's ends (a stop, an error): one hanging in a tool is not left
+    running forever."""
+    (tmp_path / "t.py").write_text(TOOLS_FILE.replace("time.sleep(10000)", "open('hanging', 'w').close()\n"
+                                                      "    time.sleep(10000)"))
+    script = f"""import os, sys, threading, time
+sys.path.insert(0, {HERE!r})
+import grpo, torch
+a = grpo.parse_args(["--model", {tools_dir!r}, "--tools", "{tmp_path}/t.py", "--tool-timeout", "600"])
+tools = grpo.load_tools(a, grpo.load_model(a, torch.device("cpu"))[1])
+threading.Thread(target=grpo.run_tool, args=(tools, {{"name": "hang", "arguments": {{}}}}), daemon=True).start()
+while not os.path.exists(os.path.join(tools["dir"].name, "hanging")):
+    time.sleep(0.05)
+print(tools["proc"].pid, flush=True)
+"""
+    pid = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600).stdout)
+
+    def running():  # (a zombie, reaped by no one here, is not running)
+        try:
+            return pathlib.Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+        except FileNotFoundError:
+            return False
+    deadline = time.time() + 120
+    while running() and time.time() < deadline:
+        time.sleep(0.1)
+    assert not running()
 
 
 @pytest.mark.parametrize("body, spec, says", [
