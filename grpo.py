@@ -111,6 +111,7 @@ class Args:
     overlong_penalty: bool = flag(False, "DAPO §3.4 soft overlong punishment added to the reward")
     overlong_buffer: int = flag(0, "L_cache in tokens for the overlong penalty (0: T // 5)")
     kl_in_reward: float = flag(0.0, "β: R_i -= β Σ_t log π_old/π_ref before the advantage (RLOO's KL)")
+    kl_target: float = flag(0.0, "adaptive β: moved a step towards this KL (PPO's; verl's kl_ctrl)")
     adv_estimator: str = flag("grpo", "grpo | rloo | reinforce_plus_plus_baseline | gdpo (verl's names)",
                               ("grpo", "rloo", "reinforce_plus_plus_baseline", "gdpo"))  # advantage
     scale: str = flag("std", "grpo's R - mean_g: / std_g | none | / the step's std", ("std", "none", "batch"))
@@ -165,7 +166,7 @@ NEEDS = {  # a flag -> the flag it acts with (not at its default), or the values
     "surrogate clip", "max_gen_rounds": "dynamic_sampling", "scale": "adv_estimator grpo", "sapo_tau_pos":
     "surrogate sapo", "sapo_tau_neg": "surrogate sapo", "cov_kl_coef": "surrogate kl_cov", "cov_ratio":
     "surrogate clip_cov kl_cov", "cov_low": "surrogate clip_cov", "cov_high": "surrogate clip_cov",
-    "max_tool_calls": "tools", "tool_timeout": "tools"}
+    "max_tool_calls": "tools", "tool_timeout": "tools", "kl_target": "kl_in_reward"}
 PATHS = ("model", "dataset", "eval_dataset", "reward_fn", "teacher_pool", "tools")  # may move on --resume
 RESUMABLE = {"resume", "overwrite", "output_dir", "max_steps", "save_every", "eval_every", "eval_prompts",
              "eval_samples", "log_samples", "wandb_project", "compile_generate", "dry_run", *PATHS,
@@ -258,10 +259,9 @@ def check_args(a: Args, typed=()):
         (bool(a.teacher_pool) != (a.teacher_per_group > 0), "the mixed pool needs both --teacher-pool PATH "
                                                              "and --teacher-per-group G_T > 0"),
         (a.split_grads and not a.teacher_pool, "--split-grads needs --teacher-pool (the teacher half)"),
-        (a.adv_estimator == "gdpo" and (a.teacher_pool or a.kl_in_reward), "--adv-estimator gdpo normalises "
-         "each reward function apart: the pool's rewards and --kl-in-reward have no parts"),
-        (a.adv_estimator == "gdpo" and a.overlong_penalty, "--adv-estimator gdpo normalises each reward "
-         "function apart, and the overlong penalty has no parts: add --no-overlong-penalty"),
+        (a.adv_estimator == "gdpo" and (a.teacher_pool or a.kl_in_reward or a.overlong_penalty), "--adv-"
+         "estimator gdpo normalises each reward function apart: the pool's rewards, --kl-in-reward and the "
+         "overlong penalty have no parts: drop them (--no-overlong-penalty)"),
         (a.surrogate in ("gmpo", "vespo") and a.ratio == "sequence", "--surrogate gmpo and vespo take token "
          "ratios (their own mean and product over o_i): drop --ratio sequence"),
         (a.surrogate == "clip_cov" and a.cov_low >= a.cov_high, "--cov-low must be below --cov-high"),
@@ -469,6 +469,17 @@ def make_optimizer(a: Args, model):
     return optimizer(params, lr=a.learning_rate, weight_decay=a.weight_decay)
 
 # ----------------------------------------------------------------------------- generate
+def at_step(a: Args, state: dict, step: int) -> Args:
+    """The flags as step `step` uses them: the sampler, rewards, terms, optimizer and evaluation read this
+    copy, so each sees the same value by construction. state: the run's memory, saved in each checkpoint and
+    restored by --resume: step, max_steps (the run's first: --resume --max-steps N moves no schedule),
+    prompts_drawn and scored (draw), and what a term keeps (step_terms: kl_in_reward). FORKER: a schedule
+    (temperature, top-p, top-k, T up to --max-new-tokens, a coefficient) is a line here, as the learning rate's."""
+    state["step"] = step
+    t = dataclasses.replace(a)
+    t.learning_rate = a.learning_rate * min(1, step / max(1, a.warmup_steps))  # linear warm-up, then constant
+    return t
+
 def chat_prompt(tok, prompt: str, system: str, tools: dict | None = None) -> str:
     if not tok.chat_template:
         return prompt
@@ -739,6 +750,12 @@ def reward_keywords(a: Args, length: int, calls=()) -> dict:  # tokens, the tool
     return dict(length=length, tool_calls=list(calls)) if a.tools else dict(length=length)  # --tools: each
     # call's name, arguments, result (and "error", "timeout" if so), as samples.jsonl shows them
 
+def group_size(a: Args) -> int:  # G: the samples and the teacher's completions of a prompt
+    return a.num_generations + a.teacher_per_group
+
+def equal(rewards: torch.Tensor) -> torch.Tensor:  # (n, G) -> (n,): the groups whose rewards are all equal
+    return rewards.max(-1).values == rewards.min(-1).values
+
 def select_groups(rewards: torch.Tensor, a: Args) -> tuple[torch.Tensor, bool, str]:
     """rewards (n, G): every rank's groups so far, in sampling order -> the indices of those to train, whether
     B were found, and --dry-run's words. Dynamic sampling (DAPO §3.2) keeps groups whose rewards differ, and
@@ -751,7 +768,7 @@ def select_groups(rewards: torch.Tensor, a: Args) -> tuple[torch.Tensor, bool, s
     keep = torch.arange(len(rewards))
     words = "all"
     if a.dynamic_sampling:
-        keep = keep[rewards.max(1).values > rewards.min(1).values]
+        keep = keep[~equal(rewards)]
         words = f"dynamic sampling (≤{a.max_gen_rounds} rounds)"
     enough = len(keep) >= a.prompts_per_step
     keep = keep[:a.prompts_per_step]  # the first B kept, in the order one process samples them
@@ -774,24 +791,31 @@ def all_gather(obj) -> list:  # [every rank's obj]
     dist.all_gather_object(out, obj)
     return out
 
-def rollout(model, tok, stream, reward_fns, pool, a: Args, sampler=None, rank=0, world=1, tools=None):
-    """A step's groups: in rounds, this rank's share of B prompts, G_s samples each and G_t teacher
+def draw(stream, a: Args, state: dict) -> tuple[list[dict], str]:
+    """A round's B prompts (every rank's) and --dry-run's words; state["prompts_drawn"] counts what the stream
+    gave, for --resume. FORKER: a filter on what is drawn (a curriculum) skips examples here; state["scored"]
+    holds the groups scored since the last draw, every rank's, [(prompt, rewards)]."""
+    state["prompts_drawn"] += a.prompts_per_step
+    return [next(stream) for _ in range(a.prompts_per_step)], f"B = {a.prompts_per_step} prompts q a step"
+
+def rollout(model, tok, stream, reward_fns, pool, a: Args, state, sampler=None, rank=0, world=1, tools=None):
+    """A step's groups: in rounds, this rank's share of B prompts (draw), G_s samples each and G_t teacher
     completions, scored; the groups to train chosen from every rank's (select_groups). Returns this rank's
     groups to train (in sampling order), the step's metrics and every group sampled."""
     G_s = a.num_generations
     generated = []
     stats = {"time/generate": 0.0, "time/reward": 0.0}
     for rounds in range(1, a.max_gen_rounds + 1):
-        batch = [next(stream) for _ in range(a.prompts_per_step)][rank::world]  # whole groups per rank
+        drawn = draw(stream, a, state)[0][rank::world]  # whole groups per rank
         t0 = time.time()
-        texts = [chat_prompt(tok, ex["prompt"], a.system_prompt, tools) for ex in batch]
+        texts = [chat_prompt(tok, ex["prompt"], a.system_prompt, tools) for ex in drawn]
         prompts, comps, truncated, logps, masks, calls = generate(model, tok, texts, G_s, a, sampler=sampler,
                                                                   tools=tools)
         t1 = time.time()
         texts = model_text(tok, comps, masks)
-        rewards, per_fn, _ = score(texts, [ex for ex in batch for _ in range(G_s)], [len(c) for c in comps],
+        rewards, per_fn, _ = score(texts, [ex for ex in drawn for _ in range(G_s)], [len(c) for c in comps],
                                    reward_fns, a, calls)
-        for i, ex in enumerate(batch):
+        for i, ex in enumerate(drawn):
             rows = slice(i * G_s, (i + 1) * G_s)
             picks = random.sample(pool[ex["prompt"]], a.teacher_per_group) if pool else []
             generated.append(dict(
@@ -808,8 +832,10 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, sampler=None, rank=0,
                 per_fn={k: v[rows] for k, v in per_fn.items()}))
         stats["time/generate"] += t1 - t0
         stats["time/reward"] += time.time() - t1
-        everyone = sorted(sum(all_gather([(g["order"], g["rewards"].tolist()) for g in generated]), []))
-        keep, enough, _ = select_groups(torch.tensor([r for _, r in everyone]), a)
+        scored = [(g["order"], g["prompt"], g["rewards"].tolist()) for g in generated]
+        everyone = sorted(sum(all_gather(scored), []))
+        state["scored"] = [(prompt, r) for _, prompt, r in everyone[-a.prompts_per_step:]]  # this round's
+        keep, enough, _ = select_groups(torch.tensor([r for _, _, r in everyone]), a)
         if enough:
             break
     chosen = {everyone[i][0] for i in keep.tolist()}
@@ -822,9 +848,9 @@ def group_metrics(groups: list[dict], a: Args) -> dict:
     students = [r for r in rows if not r["teacher"]]
     reward = torch.tensor([r["reward"] for r in rows], dtype=torch.float64)
     length = torch.tensor([r["length"] for r in students], dtype=torch.float64)
-    equal = sum(all_gather([bool(min(g["rewards"]) == max(g["rewards"])) for g in groups]), [])
+    flat = sum(all_gather([bool(equal(g["rewards"])) for g in groups]), [])
     out = {"reward/mean": reward.mean().item(), "reward/std": reward.std().item(), "groups/equal_frac":
-           statistics.mean(equal), "accuracy": statistics.mean(r["correct"] for r in students),
+           statistics.mean(flat), "accuracy": statistics.mean(r["correct"] for r in students),
            "completion/tokens": length.sum().item(), "completion/mean_length": length.mean().item(),
            "completion/max_length": length.max().item(),
            "completion/truncated_frac": statistics.mean(r["truncated"] for r in students)}
@@ -896,8 +922,7 @@ def step_inputs(model, ref_model, batch: dict, names: set, a: Args):
     old_logp and old_entropy by the policy before the step's first update, ref_logp by the reference: the
     policy with its LoRA adapter off (no second copy), or full fine-tuning's frozen copy. FORKER: another
     input (a second reference, a value head's output) is a branch here; a term then reads it by its name."""
-    N = len(batch["mask"])
-    chunks = [list(range(i, min(i + a.micro_batch_size, N))) for i in range(0, N, a.micro_batch_size)]
+    chunks = torch.arange(len(batch["mask"])).split(a.micro_batch_size)
     with torch.no_grad():
         if names & {"old_logp", "old_entropy"}:
             batch["old_logp"] = torch.empty_like(batch["mask"])
@@ -910,15 +935,17 @@ def step_inputs(model, ref_model, batch: dict, names: set, a: Args):
                 for idx in chunks:
                     batch["ref_logp"][idx] = policy_logps(ref_model or model, batch, idx, a)[0]
 
-def gather_step(batch: dict) -> tuple[dict, torch.Tensor]:
+def gather_step(batch: dict, pad: float = 0.0) -> tuple[dict, torch.Tensor]:
     """Every rank's rows of the step (all but the token ids), on the CPU, in sampling order as one process has
-    them, (n, C) padded with 0 to the longest; and where this rank's rows are among them."""
+    them, (n, C) padded with `pad` to the longest (all pad where a rank has no such key); and where this rank's
+    rows are among them."""
     mine = {k: v.cpu() for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
     every = all_gather(mine)
-    def widen(k, x):  # (n, C_rank) -> (n, C), C the longest
-        width = max(part[k].shape[-1] for part in every)
-        return torch.nn.functional.pad(x, (0, width - x.shape[-1])) if x.dim() == 2 else x
-    step = {k: torch.cat([widen(k, part[k]) for part in every]) for k in mine}
+    def widen(k, part):  # (n, C_rank) -> (n, C), C the longest
+        x = part.get(k, torch.full((len(part["order"]), 0), pad))
+        width = max(p[k].shape[-1] for p in every if k in p)
+        return torch.nn.functional.pad(x, (0, width - x.shape[-1]), value=pad) if x.dim() == 2 else x
+    step = {k: torch.cat([widen(k, part) for part in every]) for k in dict.fromkeys(k for p in every for k in p)}
     order = torch.argsort(step["order"], stable=True)  # a group's rows stay together, in their order
     start = sum(len(part["order"]) for part in every[:dist.get_rank() if dist.is_initialized() else 0])
     return {k: v[order] for k, v in step.items()}, order.argsort()[start:start + len(mine["order"])]
@@ -935,30 +962,40 @@ def group_advantages(rewards: torch.Tensor, scale: str = "std", eps: float = 1e-
         return adv / (rewards.std() + eps), f"(R_i - mean_g(R)) / (std(R) + {eps:g})"
     return adv, "R_i - mean_g(R)"
 
+def quantile(x: torch.Tensor, q: float) -> torch.Tensor:  # torch.quantile's linear rule; it refuses over 2^24
+    ranked = x.flatten().sort().values
+    at = torch.tensor(q, dtype=x.dtype) * (len(ranked) - 1)
+    return torch.lerp(ranked[at.long()], ranked[at.ceil().long()], at - at.long())
+
 def soft_weights(stds: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Dr. GRPO+ soft reweighting: w_g = std_g / (max_g' std_g' + eps), the max over the step's groups. No
     paper: a soft form of RAGEN's hard variance filter (2504.20073 §4), which keeps only the top-k groups."""
     return stds / (stds.max() + eps)
 
-def step_terms(s: dict, a: Args):
-    """The step as one process sees it: every rank's rows in sampling order, G a group. s: rewards R (M,),
-    the completion mask (M, C), truncated, is_teacher, per_fn, sampler_logp and the step inputs a term
-    reads. Returns the advantages (M, 1), or (M, C) per token, A_i (M,), the loss mask (M, C), the tokens the
-    policy loss and the entropy bonus act on (M, C), the rows of equal-reward groups (A = 0), metrics and
-    --dry-run's words. FORKER: a reward-, advantage- or mask-level term is a line here and its words the
-    next; a statistic over the step (a quantile, a batch std) sees every rank's rows."""
-    R, mask, stats, G = s["reward"], s["mask"], {}, a.num_generations + a.teacher_per_group
+def step_terms(s: dict, a: Args, state: dict):
+    """The step as one process sees it: every rank's rows in sampling order, G a group. s: rewards R (M,), the
+    completion mask (M, C), truncated, is_teacher, per_fn, sampler_logp, the step inputs a term reads; state:
+    the run's (at_step), where a term keeps a value across steps. Returns what token_objective reads by name,
+    (M, 1) or (M, C): adv (A_i, or per token), row_adv (A_i), loss_mask, keep (the tokens the policy loss and
+    the entropy bonus act on), flat (a row of an equal-reward group: A = 0); metrics; --dry-run's words.
+    FORKER: a reward-, advantage- or mask-level term, or a token set or weight (a name returned), is a line
+    here and its words the next; a statistic over the step (quantile) sees every rank's rows."""
+    R, mask, stats, G = s["reward"], s["mask"], {}, group_size(a)
     words = {"R": "", "m": "1 up to and including the first EOS"}
     if a.tools:  # collate's mask: 0 on a tool's tokens, so no term, normaliser or |o_i| counts them
         words["m"] = (f"1 on the model's tokens to its last EOS, 0 on the results of ≤{a.max_tool_calls} "
                       f"{a.tools} calls (≤{a.tool_timeout:g} s each) and the template's tokens around them")
     if a.kl_in_reward:  # as verl's use_kl_in_reward: k1 = log π_old - log π_ref summed over o_i
         kl = torch.where(mask > 0, s["old_logp"] - s["ref_logp"], 0).sum(-1)  # (M,)
-        R = R - a.kl_in_reward * kl
-        stats["kl/in_reward"] = kl.mean().item()
+        R = R - state.setdefault("kl_in_reward", a.kl_in_reward) * kl  # this step's β (adaptive: --kl-target)
+        stats.update({"kl/in_reward": kl.mean().item(), "kl/in_reward_coef": state["kl_in_reward"]})
         words["R"] += f" - {a.kl_in_reward:g}·Σ_t log π_old/π_ref"
+        if a.kl_target:  # Ziegler et al. (1909.08593) §2.2, as verl's AdaptiveKLController (its horizon: 1e4)
+            error = (kl / (mask.sum(-1) + 1e-8)).mean().item() / a.kl_target - 1  # KL: the token means' mean
+            state["kl_in_reward"] *= 1 + min(max(error, -0.2), 0.2) * len(R) / 1e4  # the next step's β
+            words["R"] += f" (β at first; then ×= 1 + clip(KL/{a.kl_target:g} - 1, ±0.2)·M/1e4 a step)"
     rewards = R.view(-1, G)  # (groups, G)
-    flat = (rewards.max(1).values == rewards.min(1).values).repeat_interleave(G)  # (M,): A = 0 in the group
+    flat = equal(rewards).repeat_interleave(G)[:, None]  # (M, 1): A = 0 in the group
     adv, words["A"] = group_advantages(rewards, a.scale, a.std_eps)
     if a.adv_estimator == "rloo":  # RLOO (2402.14740): R_i minus the mean of the group's other G - 1
         adv = (rewards - rewards.mean(1, keepdim=True)) * G / (G - 1)
@@ -990,13 +1027,11 @@ def step_terms(s: dict, a: Args):
     keep = mask > 0
     if a.top_entropy_quantile < 1 and mask.any():  # 80/20 (2506.01939): the policy loss (and the entropy
         H = s["old_entropy"]  # bonus, as TRL's) on the top-ρ of the step's trained tokens by π_old's H
-        ranked = H[keep].sort().values  # torch.quantile's linear rule; it refuses over 2^24 tokens
-        at = torch.tensor(1 - a.top_entropy_quantile, dtype=H.dtype) * (len(ranked) - 1)
-        keep = keep & (H >= torch.lerp(ranked[at.long()], ranked[at.ceil().long()], at - at.long()))
+        keep = keep & (H >= quantile(H[keep], 1 - a.top_entropy_quantile))
         adv = adv * keep  # (KL, normalisers as they were)
-        stats["loss/low_entropy_frac"] = 1 - keep.sum().item() / len(ranked)  # the share of tokens dropped
+        stats["loss/low_entropy_frac"] = 1 - keep.sum().item() / (mask > 0).sum().item()  # the share dropped
         words["A"] += f"  ·  1[H_i,t ≥ its {1 - a.top_entropy_quantile:g} quantile in the step]"
-    return adv, row_adv, mask, keep, flat, stats, words
+    return dict(adv=adv, row_adv=row_adv[:, None], loss_mask=mask, keep=keep, flat=flat), stats, words
 
 # ----------------------------------------------------------------------------- the token loss
 def policy_loss(logp, old_logp, adv, mask, a: Args):
@@ -1103,22 +1138,22 @@ def aggregate_loss(loss, mask, mode: str, max_len: int, n_seqs=None, n_tokens=No
 def token_objective(logp, entropy, b: dict, a: Args):
     """A micro-batch's per-token loss ℓ (N, C) before aggregation, its terms in --dry-run's order, each
     beside its words; diagnostics (N, C) by name, logged as means over the trained tokens where finite.
-    logp, entropy (N, C): the policy's, with gradient; b: the micro-batch's rows (adv, loss mask,
-    sampler_logp) and the step inputs a term reads (step_inputs computes them for it). FORKER: a new term
+    logp, entropy (N, C): the policy's, with gradient; b: the micro-batch's rows (step_terms' tensors: adv,
+    loss_mask, keep; sampler_logp) and the step inputs a term reads (step_inputs computes them for it). FORKER: a new term
     or token weight is a line here and its words the next; a metric, a line in `diag`."""
     old_logp = logp.detach()  # one update a step: ratio 1, no extra forward
     words = {"π_old": "sg(π_θ): one update a step, so r = 1"}
     if a.num_iterations > 1:  # teacher rows too: π_old is the policy's (advantage-weighted imitation)
         old_logp = b["old_logp"]
         words["π_old"] = f"π_θ before the first of {a.num_iterations} updates on the step's rows"
-    loss, diag, more = policy_loss(logp, old_logp, b["adv"], b["mask"], a)  # the surrogate
+    loss, diag, more = policy_loss(logp, old_logp, b["adv"], b["loss_mask"], a)  # the surrogate
     words.update(more)
     # the sampler's own log-probs (NaN on teacher rows): their gap to the trainer's is its health check
-    known = (b["mask"] > 0) & b["sampler_logp"].isfinite()
+    known = (b["loss_mask"] > 0) & b["sampler_logp"].isfinite()
     diag["sampler/logp_gap"] = torch.where(known, (old_logp - b["sampler_logp"]).abs(), math.nan)
     if a.opsm_delta < math.inf:  # off-policy sequence masking: DeepSeek-V3.2 (2512.02556) eq. 9, as TRL's
         drift = torch.where(known, b["sampler_logp"], old_logp) - logp.detach()  # teacher rows: π_old
-        drift = torch.where(b["mask"] > 0, drift, 0).sum(-1, keepdim=True) / b["mask"].sum(-1, keepdim=True)
+        drift = torch.where(b["loss_mask"] > 0, drift, 0).sum(-1, keepdim=True) / b["loss_mask"].sum(-1, keepdim=True)
         diag["loss/opsm_frac"] = (b["adv"] < 0) & (drift > a.opsm_delta)  # (N, 1): the rows dropped
         loss = loss * ~diag["loss/opsm_frac"]
         words["ℓ"] = f"({words['ℓ']})·1[A_i ≥ 0 or mean_t log π_sampler/π_θ ≤ {a.opsm_delta:g}]"
@@ -1134,7 +1169,7 @@ def token_objective(logp, entropy, b: dict, a: Args):
         words["ℓ"] = f"({words['ℓ']})·{a.tis_mode}(π_old/π_sampler, [{a.tis_min:g}, {a.tis:g}])"
     diag["kl"] = torch.zeros_like(logp)  # k3's value, KL(pi || ref), whatever --kl trains; 0 without --beta
     if a.beta:  # KL only where the mask is on: past EOS, exp(ref - logp) can overflow, its gradient be NaN
-        ref = torch.where(b["mask"] > 0, b["ref_logp"], logp.detach())
+        ref = torch.where(b["loss_mask"] > 0, b["ref_logp"], logp.detach())
         loss = loss + a.beta * kl_penalty(logp, ref, a.kl, old_logp)
         diag["kl"] = kl_penalty(logp.detach(), ref)
         words["ℓ"] += f" + {a.beta:g}·KL_{a.kl}(π_θ, π_ref)"
@@ -1151,15 +1186,16 @@ def probe(a: Args):
     step inputs they read (computed for a step then, and only then), whether the rows step_terms flags
     A = 0 are skipped (--skip-zero-variance, and ∇ℓ = 0 where A = 0: skipping them changes nothing), and
     the words each term wrote for --dry-run, with what becomes of an equal-reward group."""
-    G = a.num_generations + a.teacher_per_group
+    G = group_size(a)
     gen = torch.Generator().manual_seed(0)
     def made_up():  # (G, 3) log-probs: any step input a term reads
         return torch.rand(G, 3, generator=gen).log()
     rows = dict(reward=torch.zeros(G), order=torch.zeros(G, dtype=torch.long),  # a group of equal rewards
                 mask=torch.ones(G, 3), truncated=torch.zeros(G, dtype=torch.bool),
                 is_teacher=torch.zeros(G, dtype=torch.bool), sampler_logp=made_up(), per_fn=made_up())
-    step = collections.defaultdict(made_up, rows, adv=torch.zeros(G, 1), keep=torch.ones(G, 3))  # A = 0
-    _, _, _, _, flat, _, words = step_terms(step, a)
+    step = collections.defaultdict(made_up, rows)
+    made, _, words = step_terms(step, a, {})  # (a state of its own)
+    step.update(made, adv=torch.zeros(G, 1))  # A = 0
     logp = made_up().requires_grad_()
     entropy = torch.rand(G, 3, generator=gen).requires_grad_()
     loss, _, more = token_objective(logp, entropy, step, a)
@@ -1168,44 +1204,44 @@ def probe(a: Args):
     words["equal"] = "(A = 0) trained"  # what prepare does with the rows step_terms flags: flat & skip
     if skip:
         words["equal"] = "(A = 0) skipped: ∇ℓ = 0 there"
-    if not flat.all():  # step_terms flags no such group: their A is not 0 (whitened, or the KL in R)
+    if not made["flat"].all():  # step_terms flags no such group: their A is not 0 (whitened, or the KL in R)
         words["equal"] = "trained: their A is not 0"
-    return set(step) - set(rows) - {"adv", "keep"}, skip, {**words, **more}
+    return set(step) - set(rows) - set(made), skip, {**words, **more}
 
-def prepare(model, ref_model, groups: list[dict], a: Args):
+def prepare(model, ref_model, groups: list[dict], a: Args, state: dict | None):
     """The step before its first update: this rank's rows collated, with the inputs its terms read;
-    step_terms on every rank's rows; this rank's advantages (also in its groups, for samples.jsonl), loss
-    mask and rows to train (an equal-reward group only where skipping it changes nothing); the step's
-    normalisers."""
+    step_terms on every rank's rows; this rank's share of its tensors (adv, loss_mask, ...; A_i also in its
+    groups, for samples.jsonl) and rows to train (an equal-reward group only where skipping it changes
+    nothing); the step's normalisers."""
     device = next(model.parameters()).device
     batch = collate(groups, model.generation_config.pad_token_id, device)
     reads, skip_flat, _ = probe(a)
     step_inputs(model, ref_model, batch, reads, a)
-    step, mine = gather_step(batch)
-    adv, row_adv, mask, keep, flat, stats, _ = step_terms(step, a)
-    n_seqs, n_tokens = torch.stack([(mask.sum(-1) > 0).sum().float(), mask.sum()]).tolist()  # every rank's
-    C = batch["mask"].shape[1]
-    batch.update(adv=adv[mine, :C].to(device), mask=mask[mine, :C].to(device), keep=keep[mine, :C].to(device))
-    for g, group_adv in zip(groups, row_adv[mine].split([len(g["completions"]) for g in groups])):
+    s, mine = gather_step(batch)
+    made, stats, _ = step_terms(s, a, {} if state is None else state)
+    mask = made["loss_mask"]  # every rank's
+    n_seqs, n_tokens = torch.stack([(mask.sum(-1) > 0).sum().float(), mask.sum()]).tolist()
+    batch.update({k: v[mine, :batch["mask"].shape[1]].to(device) for k, v in made.items()})
+    for g, group_adv in zip(groups, made["row_adv"][mine, 0].split([len(g["completions"]) for g in groups])):
         g["adv"] = group_adv
-    skip = flat[mine].to(device) & skip_flat
-    rows = ((batch["mask"].sum(-1) > 0) & ~skip).nonzero()[:, 0].tolist()
-    return batch, rows, n_seqs, n_tokens, stats
+    trained = (batch["loss_mask"].sum(-1) > 0) & ~(made["flat"][mine, 0].to(device) & skip_flat)
+    return batch, trained.nonzero()[:, 0].tolist(), n_seqs, n_tokens, stats
 
-def train_step(model, ref_model, opt, groups: list[dict], a: Args) -> dict:
+def train_step(model, ref_model, opt, groups: list[dict], a: Args, state: dict | None = None) -> dict:
     """num_iterations optimizer steps on a step's groups (prepare): micro-batches, backward (--split-grads:
     student and teacher rows apart), the gradient summed over ranks. Metrics: the step stage's, and all ranks'
-    trained rows in the last update."""
+    trained rows in the last update. state: the run's (at_step); None: a step on its own."""
     params = [p for p in model.parameters() if p.requires_grad]
-    batch, rows, n_seqs, n_tokens, stats = prepare(model, ref_model, groups, a)
+    batch, rows, n_seqs, n_tokens, stats = prepare(model, ref_model, groups, a, state)
     chunks = [rows[i:i + a.micro_batch_size] for i in range(0, len(rows), a.micro_batch_size)]
-    mask, teacher = batch["mask"], batch["is_teacher"][:, None].float()  # the pool's halves, one normaliser
+    mask, teacher = batch["loss_mask"], batch["is_teacher"][:, None].float()  # the pool's halves, one normaliser
     parts = {"student": mask * (1 - teacher), "teacher": mask * teacher} if a.split_grads else {"all": mask}
     for update in range(a.num_iterations):
         for p in params:
             p.grad = torch.zeros_like(p)
         grads = {name: [torch.zeros_like(p) for p in params] for name in parts if a.split_grads}
         sums = {"loss": 0.0, "train/rows": len(rows)}
+        tokens = {}  # each diagnostic (N, C), NaN where not defined: for step_stats
         for idx in chunks:
             logp, entropy = policy_logps(model, batch, idx, a)
             b = {k: v[idx] for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
@@ -1221,8 +1257,7 @@ def train_step(model, ref_model, opt, groups: list[dict], a: Args) -> dict:
                 valid = (mask[idx] > 0) & x.isfinite()
                 sums[key] = sums.get(key, 0) + torch.where(valid, x, 0).sum()
                 sums["n:" + key] = sums.get("n:" + key, 0) + valid.sum()
-                top = torch.where(valid, x, -math.inf).max()
-                sums["max:" + key] = max(sums.get("max:" + key, -math.inf), top)
+                tokens.setdefault(key, torch.full_like(mask, math.nan))[idx] = torch.where(valid, x, math.nan)
         # the step's gradient is the SUM of the ranks' (each rank's loss carries the global normaliser)
         for g in sum(grads.values(), []) or [p.grad for p in params]:
             all_sum(g)
@@ -1231,15 +1266,23 @@ def train_step(model, ref_model, opt, groups: list[dict], a: Args) -> dict:
         total = {k: sum(d.get(k, 0.0) for d in every) for k in set().union(*every)}
         norm = torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm or math.inf).item()
         if not math.isfinite(norm + total["loss"]):  # not applied (the step's earlier updates were)
-            rows_trained = total["train/rows"]  # every rank's
-            return {**stats, "train/not_finite": 1.0, "train/updates": update, "train/rows": rows_trained}
+            return {**stats, "train/not_finite": 1.0, "train/updates": update, "train/rows": total["train/rows"]}
         out["grad/norm"] = norm
         opt.step()
         opt.zero_grad(set_to_none=True)
     out.update({k: total[k] / total["n:" + k] for k in total if total.get("n:" + k)})
-    if total.get("n:sampler/logp_gap"):  # the sampler's health check at its worst token
-        out["sampler/logp_gap_max"] = max(d.get("max:sampler/logp_gap", -math.inf) for d in every)
+    out.update(step_stats(gather_step({**tokens, "order": batch["order"]}, math.nan)[0]))
     return {**stats, **out, "loss": total["loss"], "train/rows": total["train/rows"]}
+
+def step_stats(d: dict) -> dict:
+    """The step's statistics but the means (train_step's), over every rank's trained tokens as one process
+    has them: d[name] (M, C), a diagnostic of token_objective, NaN where it is not defined. FORKER: another
+    statistic of one (a quantile, a covariance, a max) is a line here."""
+    out = {}
+    gap = d.get("sampler/logp_gap", torch.tensor([math.nan]))
+    if gap.isfinite().any():  # the sampler's health check at its worst token
+        out["sampler/logp_gap_max"] = gap[gap.isfinite()].max().item()
+    return out
 
 def edit_source_grads(grads: dict, params: list, a: Args) -> tuple[dict, str]:
     """--split-grads: the student and teacher gradients g_s, g_t, summed over micro-batches and ranks, before
@@ -1448,10 +1491,10 @@ def start(a: Args):
         fail(f"--prompts-per-step {a.prompts_per_step} must divide over {world} ranks (whole groups a rank)")
     check_output_dir(a)  # (rank 0 holds the dir's lock since parse_args)
     ckpt = last_checkpoint(a.output_dir)
-    state = {"step": 0, "prompts_drawn": 0}
+    state = {"step": 0, "max_steps": a.max_steps, "prompts_drawn": 0}  # the run's memory (at_step)
     if a.resume:
         try:
-            state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
+            state = {**state, **torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)}
         except Exception as e:  # damaged at its saved size (zeros after a crash, say)
             fail(f"--resume: {ckpt}/trainer_state.pt cannot be read ({type(e).__name__}): restore it")
         if state["step"] >= a.max_steps:
@@ -1472,7 +1515,7 @@ def start(a: Args):
     opt = make_optimizer(a, model)
     torch.manual_seed(a.seed + 1000 * rank)  # sampling and teacher draws differ per rank, and repeat per run
     random.seed(a.seed + 1000 * rank)
-    if a.resume:
+    if a.resume:  # (rng stays in run.done, the last completed step's: a save before the next step has it)
         opt.load_state_dict(state.pop("optimizer"))
         torch.set_rng_state(state["rng"][rank]["torch"])
         random.setstate(state["rng"][rank]["python"])
@@ -1482,10 +1525,11 @@ def start(a: Args):
     from tqdm import tqdm
     steps = range(state["step"] + 1, a.max_steps + 1)
     bar = tqdm(steps, desc=a.algo, disable=rank > 0, initial=state["step"], total=a.max_steps)
-    run = argparse.Namespace(  # done: the last completed step's state; saved: the last checkpoint's step
+    run = argparse.Namespace(  # state: the run's, live; done: it at the last completed step, with the RNGs;
         rank=rank, world=world, device=device, model=model, tok=tok, ref_model=ref_model, opt=opt, bar=bar,
         sampler=sampler, reward_fns=reward_fns, pool=pool, evals=evals, stream=stream, start=state["step"],
-        done=state, saved=state["step"], busy=False, stop=0, flat=0, bad_steps=0, tools=tools)
+        state={k: v for k, v in state.items() if k != "rng"}, done=state, saved=state["step"], busy=False,
+        stop=0, flat=0, bad_steps=0, tools=tools)  # saved: the last checkpoint's step
     if rank == 0:
         open_output(run, a)
     return run
@@ -1512,10 +1556,10 @@ def end_step(run, a: Args, step: int, m: dict, generated: list[dict]) -> bool:
     if run.bad_steps == 3:
         fail("3 steps in a row had a loss or gradient that was not finite; those updates were not applied: "
              "lower --learning-rate, or check the rewards with --log-samples")
+    import copy
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
     rng = {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate()}  # all a step draws from
-    drawn = run.done["prompts_drawn"] + m["groups/gen_rounds"] * a.prompts_per_step
-    run.done = {"step": step, "prompts_drawn": drawn, "rng": all_gather(rng)}
+    run.done = {**copy.deepcopy(run.state), "rng": all_gather(rng)}  # (a term may change it in place)
     stopping = bool(all_sum(torch.tensor([float(run.stop)], device=run.device)).item())
     firsts = sum(all_gather([(g["order"], sample_rows([g], step)) for g in generated[:a.log_samples]]), [])
     firsts.sort(key=lambda x: x[0])  # --log-samples K: the step's first K groups, of every rank's
@@ -1553,7 +1597,7 @@ def describe(a: Args) -> str:
     """--dry-run: the loss the flags optimise, in the words each term writes beside its math (probe: made-up
     numbers, no model, no data), then every flag."""
     w = probe(a)[2]
-    G = a.num_generations + a.teacher_per_group
+    G = group_size(a)
     shaping = score([], [], [], [], a)[2]  # what is added to the rewards' sum
     reward = " + ".join(filter(None, [a.rewards.replace(",", " + "), a.reward_fn])) + shaping
     norm = aggregate_loss(torch.ones(1, 1), torch.ones(1, 1), a.loss_agg, a.max_new_tokens)[1]
@@ -1561,8 +1605,8 @@ def describe(a: Args) -> str:
     lines = [f"loss = {norm},  Σ_t over m_i,t = {w['m']}{split}", f"  ℓ_i,t = {w['ℓ']},  r = {w['r']}",
              f"  π_old = {w['π_old']}", f"  A_i = {w['A']}", f"  R_i = {reward}{w['R']}",
              f"  o_1..{G} ~ π_old(·|q), {a.teacher_per_group} of them from the pool (R frozen), temp. "
-             f"{a.temperature:g}, top-p {a.top_p:g}, top-k {a.top_k}, |o_i| ≤ {a.max_new_tokens}; B = "
-             f"{a.prompts_per_step} prompts q a step",
+             f"{a.temperature:g}, top-p {a.top_p:g}, top-k {a.top_k}, |o_i| ≤ {a.max_new_tokens}; "
+             f"{draw(itertools.repeat({}), a, {'prompts_drawn': 0})[1]}",
              f"  groups trained: {select_groups(torch.arange(G)[None].float(), a)[2]}; those of equal "
              f"rewards {w['equal']}"]
     flags = " ".join(f"{dash(k)} {v!r}" for k, v in vars(a).items())
@@ -1588,18 +1632,18 @@ def main(argv=None):
             if run.stop and run.rank == 0:  # one that came as the last step was saved
                 raise KeyboardInterrupt
             run.t0 = time.time()
-            groups, m, generated = rollout(run.model, run.tok, run.stream, run.reward_fns, run.pool, a,
-                                           run.sampler, run.rank, run.world, run.tools)
+            t = at_step(a, run.state, step)  # the flags as this step uses them
+            groups, m, generated = rollout(run.model, run.tok, run.stream, run.reward_fns, run.pool, t,
+                                           run.state, run.sampler, run.rank, run.world, run.tools)
             run.busy = True  # from here to the end of the step (or of the run), a signal waits for it
             t1 = time.time()
-            m["lr"] = a.learning_rate * min(1, step / max(1, a.warmup_steps))  # linear warm-up, then constant
             for g in run.opt.param_groups:
-                g["lr"] = m["lr"]
+                g["lr"] = m["lr"] = t.learning_rate
             if m["groups/kept"]:  # the same on every rank; 0 when dynamic sampling kept nothing by its cap
-                m.update(train_step(run.model, run.ref_model, run.opt, groups, a))
+                m.update(train_step(run.model, run.ref_model, run.opt, groups, t, run.state))
             m["time/train"] = time.time() - t1
             if a.eval_every and run.evals and (step % a.eval_every == 0 or step == a.max_steps):
-                m.update(evaluate(run.model, run.tok, run.evals, a, run.rank, run.world, run.sampler,
+                m.update(evaluate(run.model, run.tok, run.evals, t, run.rank, run.world, run.sampler,
                                   run.tools))
             if end_step(run, a, step, m, generated):
                 break

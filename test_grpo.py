@@ -361,7 +361,8 @@ def step(a, reward, mask=None, **inputs):
     s = dict(reward=reward, mask=mask, truncated=torch.zeros(len(reward), dtype=torch.bool),
              is_teacher=torch.zeros(len(reward), dtype=torch.bool), sampler_logp=torch.zeros_like(mask),
              per_fn=reward[:, None])
-    return grpo.step_terms({**s, **inputs}, a)
+    made, stats, words = grpo.step_terms({**s, **inputs}, a, {})
+    return made["adv"], made["row_adv"][:, 0], made["loss_mask"], made["keep"], made["flat"][:, 0], stats, words
 
 
 def test_top_entropy_quantile_with_no_token_left_to_train_trains_nothing():
@@ -426,7 +427,7 @@ def peer_inputs():
     order = entropy[mask.bool()].argsort()
     entropy[tuple(where[order[7]])] = entropy[tuple(where[order[6]])]
     assert logp[0, 0].item() == -1.9901059865951538  # torch's generator draws what it drew for the peers
-    return dict(mask=mask, keep=mask > 0, logp=logp, old_logp=old, sampler_logp=sampler, ref_logp=ref, entropy=entropy,
+    return dict(mask=mask, loss_mask=mask, keep=mask > 0, logp=logp, old_logp=old, sampler_logp=sampler, ref_logp=ref, entropy=entropy,
                 adv=torch.tensor([[1.2], [-0.7], [0.5], [-1.5]], dtype=f64))
 
 
@@ -459,7 +460,7 @@ def test_opsm_drops_negative_rows_whose_sampler_drifted_past_delta_by_hand():
     old = torch.tensor([[-1.5] * 3, [-1.0] * 3, [-1.0] * 3, [-1.0] * 3, [-0.2] * 3, [-1.0] * 3])
     # drift: 0.5 = delta (kept; from pi_old it would be 1.0), 1.75 / 3 > delta, the same with A > 0 (kept), 0.6
     # over |o_i| = 1 token (over C it would be 0.2), a teacher row's pi_old - pi = 0.8, another's 0 (kept)
-    x = dict(mask=mask, logp=-torch.ones(6, 3), old_logp=old, sampler_logp=sampler, entropy=torch.zeros(6, 3),
+    x = dict(mask=mask, loss_mask=mask, logp=-torch.ones(6, 3), old_logp=old, sampler_logp=sampler, entropy=torch.zeros(6, 3),
              adv=torch.tensor([[-1.0], [-1], [1], [-1], [-1], [-1]]))
     logp = x["logp"].clone().requires_grad_()
     loss, diag, _ = grpo.token_objective(logp, x["entropy"], x, grpo.Args(num_iterations=2, opsm_delta=0.5))
@@ -515,7 +516,7 @@ def test_entropy_bonus_by_hand():
     mask = torch.tensor([[1.0, 1, 0], [1, 0, 0]])
     H = torch.tensor([[1.0, 2.0, 7.0], [4.0, 7.0, 7.0]], requires_grad=True)
     logp = torch.full((2, 3), -1.0, requires_grad=True)
-    b = dict(adv=torch.zeros(2, 1), mask=mask, keep=mask > 0, sampler_logp=torch.full((2, 3), math.nan))
+    b = dict(adv=torch.zeros(2, 1), loss_mask=mask, keep=mask > 0, sampler_logp=torch.full((2, 3), math.nan))
     loss, _, _ = grpo.token_objective(logp, H, b, grpo.Args(entropy_coef=0.1))
     for agg, value, g in (("token-mean", -0.1 * (1 + 2 + 4) / 3, [[-0.1 / 3] * 2 + [0], [-0.1 / 3, 0, 0]]),
                           ("seq-mean-token-mean", -0.1 * ((1 + 2) / 2 + 4) / 2, [[-0.025, -0.025, 0], [-0.05, 0, 0]])):
@@ -572,7 +573,7 @@ def test_tool_tokens_get_no_gradient_and_leave_the_loss_as_it_is(kw, agg):
     x = peer_inputs()
     tool = (x["mask"] == 1) & (torch.tensor(TOOL_MASK) == 0)  # inside a completion, a tool's
     assert torch.equal(b["mask"].double(), x["mask"] * torch.tensor(TOOL_MASK)) and tool.sum() == 5
-    x["mask"] = b["mask"].double()
+    x["mask"] = x["loss_mask"] = b["mask"].double()
     torch.manual_seed(0)  # (clip_cov draws its tokens)
     loss, g, g_H = objective(x, agg, **kw)
     assert not g[tool].any() and not g_H[tool].any() and g.abs().sum() > 0
@@ -599,7 +600,7 @@ def test_tool_masked_loss_and_gradient_against_trl(kw, value, grad):
     """TRL 1.16.0 GRPOTrainer._compute_loss on peer_inputs with tool_mask = TOOL_MASK (its loss mask: completion_mask
     x tool_mask; num_items_in_batch counts it too), its own code run on them: the loss and d loss / d log pi."""
     x = peer_inputs()
-    x["mask"] = grpo.collate(tool_groups(), 0, "cpu")["mask"].double()
+    x["mask"] = x["loss_mask"] = grpo.collate(tool_groups(), 0, "cpu")["mask"].double()
     loss, g, _ = objective(x, **kw)
     assert loss == pytest.approx(value, abs=1e-12) and near(g, grad)
 
@@ -609,8 +610,10 @@ def cov_inputs(log_r00=0.3):
     r = e^(log r): e^0.3 = 1.35 clips where A > 0 (eps 0.2), e^-0.2 = 0.82 and e^0.05 do not."""
     logp = torch.tensor([[-1.0, -2.0, 5.0], [-0.5, -3.0, 5.0]])
     log_r = torch.tensor([[log_r00, -0.2, 0.0], [0.3, 0.05, 0.0]])
-    return dict(logp=logp, old_logp=logp - log_r, adv=torch.tensor([[2.0], [-1.0]]),
+    x = dict(logp=logp, old_logp=logp - log_r, adv=torch.tensor([[2.0], [-1.0]]),
                 mask=torch.tensor([[1.0, 1, 0], [1, 1, 0]]), sampler_logp=logp - log_r, entropy=torch.zeros(2, 3))
+    x["loss_mask"] = x["mask"]
+    return x
 
 
 def token_loss(x, **kw):  # token_objective's loss and d(sum)/dlogp on the trained tokens (num_iterations 2)
@@ -837,7 +840,7 @@ def tis_inputs():
     log_w = torch.tensor([[0, l2, 2 * l2], [-l2, -2 * l2, 0], [l2, 0, 0], [nan] * 3, [-l2, 50, 50]],
                          dtype=torch.float64)
     mask = torch.tensor([[1.0, 1, 1]] * 4 + [[1, 0, 0]], dtype=torch.float64)
-    return dict(adv=torch.ones(5, 1, dtype=torch.float64), mask=mask, sampler_logp=-log_w)
+    return dict(adv=torch.ones(5, 1, dtype=torch.float64), mask=mask, loss_mask=mask, sampler_logp=-log_w)
 
 
 @pytest.mark.parametrize("mode, w", [
@@ -1517,7 +1520,7 @@ def test_rewards_that_overflow_float32_in_the_advantages_are_refused():
     assert adv.tolist() == [[0.0, 0.0]]  # what would have trained
     s = {"reward": torch.tensor([1e20, 0.0, 1.0, 0.0]), "mask": torch.ones(4, 256)}  # rpp whitens Σ_t (A - mean)²
     rpp = grpo.step_terms(s, grpo.parse_args(["--adv-estimator", "reinforce_plus_plus_baseline", "--num-generations",
-                                              "2"]))[1]
+                                              "2"]), {})[0]["row_adv"][:, 0]
     assert rpp.tolist() == [0.0] * 4  # what would have trained: nothing, without a word
     for bad in ([[1.0, 0.0], [3e38, -3e38]], [[3e38, 3e38]], [[math.inf, 1.0]], [[1e20, 0.0], [1.0, 0.0]],
                 [[math.nan, 1.0]]):
@@ -1646,7 +1649,7 @@ def test_impossible_flags_fail_with_a_sentence(argv, says):
     (["--max-gen-rounds", "2"], "--max-gen-rounds does nothing without --dynamic-sampling:"),
     (["--surrogate", "clip_cov", "--cov-low", "5", "--cov-high", "1"], "--cov-low must be below --cov-high"),
     (["--surrogate", "clip_cov", "--cov-low", "2", "--cov-high", "2"], "--cov-low must be below --cov-high"),
-    (["--algo", "dapo", "--adv-estimator", "gdpo"], "the overlong penalty has no parts: add --no-overlong-penalty"),
+    (["--algo", "dapo", "--adv-estimator", "gdpo"], "the overlong penalty have no parts: drop them"),
 ])
 def test_a_flag_typed_where_it_does_nothing_is_refused_naming_what_to_add(argv, says):
     """A flag the user typed where it acts on nothing (NEEDS) is refused in one line naming what it needs; a clip_cov
@@ -2598,9 +2601,9 @@ def stub_reward(schedule):
 def rollout(a, model, tok, fn, pool=None):
     """grpo.rollout's groups to train and its metrics, with the advantages the step makes of them (prepare)."""
     stream = grpo.prompt_stream(grpo.arithmetic_task(100, 0), 0)
-    groups, stats, _ = grpo.rollout(model, tok, stream, [("stub", fn, 1.0)], pool, a)
+    groups, stats, _ = grpo.rollout(model, tok, stream, [("stub", fn, 1.0)], pool, a, {"prompts_drawn": 0})
     if groups:
-        stats.update(grpo.prepare(model, None, groups, a)[-1])
+        stats.update(grpo.prepare(model, None, groups, a, {})[-1])
     return groups, stats
 
 
@@ -2623,7 +2626,7 @@ def test_the_overlong_penalty_reaches_the_reward(loaded, monkeypatch):
     def judge(text, answer, length, **kw):  # 0, 1, 0, 1, ... and what a reward is given
         seen.append((text, length))
         return float((len(seen) - 1) % 2)
-    _, _, generated = grpo.rollout(model, tok, stream, [("stub", judge, 1.0)], None, a)
+    _, _, generated = grpo.rollout(model, tok, stream, [("stub", judge, 1.0)], None, a, {"prompts_drawn": 0})
     penalty = [0, 0, -0.25, -0.75, -1, -1, 0, -0.5]
     assert torch.cat([g["rewards"] for g in generated]).tolist() == pytest.approx(
         [i % 2 + p for i, p in enumerate(penalty)])
@@ -3235,7 +3238,7 @@ def test_the_reward_grades_the_model_s_text_and_gets_its_length_and_its_calls(to
         seen.append((text, length, [c["result"] for c in tool_calls]))
         return float(len(tool_calls))
     stream = grpo.prompt_stream([{"prompt": "What is 6*7?", "answer": "42"}], 0)
-    _, m, generated = grpo.rollout(model, tok, stream, [("judge", judge, 1.0)], None, a, tools=tools)
+    _, m, generated = grpo.rollout(model, tok, stream, [("judge", judge, 1.0)], None, a, {"prompts_drawn": 0}, tools=tools)
     comps = generated[0]["completions"]
     results = [["42"], ["error: ZeroDivisionError: division by zero", "2"], [], ["42"]]
     assert seen == [(t, len(c), r) for t, c, r in zip(generated[0]["texts"], comps, results)]
@@ -4437,7 +4440,8 @@ def test_each_rank_samples_and_draws_teachers_of_its_own_from_one_prompt_order(t
                              "--teacher-pool", pool, "--teacher-per-group", "3"] + TINY)
         run = grpo.start(a)
         order = [next(run.stream)["prompt"] for _ in range(12)]
-        groups = grpo.rollout(run.model, run.tok, itertools.repeat(one), run.reward_fns, run.pool, a, None, rank, 2)[2]
+        groups = grpo.rollout(run.model, run.tok, itertools.repeat(one), run.reward_fns, run.pool, a, run.state, None,
+                              rank, 2)[2]
         for f in (run.bar, run.log, run.samples) if rank == 0 else ():
             f.close()
         lora = torch.cat([p.detach().flatten() for p in run.model.parameters() if p.requires_grad]).tolist()
@@ -4519,9 +4523,9 @@ for case, schedule in SCHEDULES.items():
         calls[prompt] = calls.get(prompt, -1) + 1
         return float(table[prompt][calls[prompt] % 2])
     kept, stats, _ = grpo.rollout(model, tok, grpo.prompt_stream(train, a.seed), [("r", reward, 1.0)], None, a,
-                                  None, rank, world)
+                                  {"prompts_drawn": 0}, None, rank, world)
     if stats["groups/kept"]:  # the advantages, as the step makes them
-        stats.update(grpo.prepare(model, None, kept, a)[-1])
+        stats.update(grpo.prepare(model, None, kept, a, {})[-1])
     groups = sum(grpo.all_gather([[g["prompt"], g["rewards"].tolist(), g["adv"].tolist()] for g in kept]), [])
     result[case] = [sorted(groups), {k: v for k, v in stats.items() if k.startswith(("groups/kept", "groups/gen",
                                                                                       "adv/"))}]
@@ -4543,8 +4547,8 @@ def graded(completion, answer, prompt, tool_calls, **kw):  # prompts 3, 6, ...: 
     return 0.5 if int(prompt.split()[1][:-1]) % 3 == 0 else float(grpo.is_correct(completion, answer)) + len(tool_calls)
 grpo.generate = generate  # every rank's rows in the step's metrics and in the evaluation, as one process has them
 places = [ex["prompt"] for ex in itertools.islice(grpo.prompt_stream(train, a.seed), 40)]
-kept, stats, _ = grpo.rollout(model, tok, grpo.prompt_stream(train, a.seed), [("graded", graded, 1.0)], None, a, None,
-                              rank, world)
+kept, stats, _ = grpo.rollout(model, tok, grpo.prompt_stream(train, a.seed), [("graded", graded, 1.0)], None, a,
+                              {"prompts_drawn": 0}, None, rank, world)
 stats.update(grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), kept, a))
 result["metrics"] = {k: v for k, v in stats.items() if not k.startswith("time/")}
 result["eval"] = grpo.evaluate(model, tok, train[:10], dataclasses.replace(a, eval_samples=2), rank, world)
