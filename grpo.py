@@ -469,12 +469,18 @@ def make_optimizer(a: Args, model):
     return optimizer(params, lr=a.learning_rate, weight_decay=a.weight_decay)
 
 # ----------------------------------------------------------------------------- generate
+# A step, as main runs it: at_step (the flags this step) -> rollout: draw B prompts, generate G_s completions
+# a prompt (and G_t from the pool), score, select_groups -> train_step: prepare (collate this rank's rows; the
+# inputs the terms read, step_inputs, found by probe running them on made-up numbers; gather_step: every
+# rank's rows as one process has them, `mine` this rank's among them; step_terms: R, A, the loss mask) ->
+# per micro-batch token_objective, aggregate_loss, backward -> the gradient summed over ranks -> the update.
+# A term reads an input by name (b["ref_logp"]: step_inputs computes it); its memory is the run's state.
 def at_step(a: Args, state: dict, step: int) -> Args:
     """The flags as step `step` uses them: the sampler, rewards, terms, optimizer and evaluation read this
     copy, so each sees the same value by construction. state: the run's memory, saved in each checkpoint and
-    restored by --resume: step, max_steps (the run's first: --resume --max-steps N moves no schedule),
-    prompts_drawn and scored (draw), and what a term keeps (step_terms: kl_in_reward). FORKER: a schedule
-    (temperature, top-p, top-k, T up to --max-new-tokens, a coefficient) is a line here, as the learning rate's."""
+    restored by --resume: step, max_steps (the first run's: --resume --max-steps N moves no schedule),
+    prompts_drawn and scored (draw), what a term keeps (step_terms: kl_in_reward). FORKER: a schedule of the
+    temperature, top-p, top-k, T (up to --max-new-tokens) or a coefficient is a line here, as the lr's."""
     state["step"] = step
     t = dataclasses.replace(a)
     t.learning_rate = a.learning_rate * min(1, step / max(1, a.warmup_steps))  # linear warm-up, then constant
@@ -746,6 +752,9 @@ def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns
         words = f" + overlong(L_cache={a.overlong_buffer})"
     return total, per_fn, words
 
+def pass_at_k(n: int, c: int, k: int) -> float:  # of n samples, c correct: P(one of k drawn is), unbiased
+    return 1 - math.comb(n - c, k) / math.comb(n, k)  # (Chen et al. 2021, 2107.03374, eq. 1)
+
 def reward_keywords(a: Args, length: int, calls=()) -> dict:  # tokens, the tools' too (as T counts)
     return dict(length=length, tool_calls=list(calls)) if a.tools else dict(length=length)  # --tools: each
     # call's name, arguments, result (and "error", "timeout" if so), as samples.jsonl shows them
@@ -937,7 +946,7 @@ def step_inputs(model, ref_model, batch: dict, names: set, a: Args):
 
 def gather_step(batch: dict, pad: float = 0.0) -> tuple[dict, torch.Tensor]:
     """Every rank's rows of the step (all but the token ids), on the CPU, in sampling order as one process has
-    them, (n, C) padded with `pad` to the longest (all pad where a rank has no such key); and where this rank's
+    them, (n, C) padded with `pad` to the longest (all pad where a rank lacks the key); and where this rank's
     rows are among them."""
     mine = {k: v.cpu() for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
     every = all_gather(mine)
@@ -945,7 +954,8 @@ def gather_step(batch: dict, pad: float = 0.0) -> tuple[dict, torch.Tensor]:
         x = part.get(k, torch.full((len(part["order"]), 0), pad))
         width = max(p[k].shape[-1] for p in every if k in p)
         return torch.nn.functional.pad(x, (0, width - x.shape[-1]), value=pad) if x.dim() == 2 else x
-    step = {k: torch.cat([widen(k, part) for part in every]) for k in dict.fromkeys(k for p in every for k in p)}
+    keys = dict.fromkeys(k for part in every for k in part)  # in order, every rank's
+    step = {k: torch.cat([widen(k, part) for part in every]) for k in keys}
     order = torch.argsort(step["order"], stable=True)  # a group's rows stay together, in their order
     start = sum(len(part["order"]) for part in every[:dist.get_rank() if dist.is_initialized() else 0])
     return {k: v[order] for k, v in step.items()}, order.argsort()[start:start + len(mine["order"])]
@@ -987,10 +997,10 @@ def step_terms(s: dict, a: Args, state: dict):
                       f"{a.tools} calls (≤{a.tool_timeout:g} s each) and the template's tokens around them")
     if a.kl_in_reward:  # as verl's use_kl_in_reward: k1 = log π_old - log π_ref summed over o_i
         kl = torch.where(mask > 0, s["old_logp"] - s["ref_logp"], 0).sum(-1)  # (M,)
-        R = R - state.setdefault("kl_in_reward", a.kl_in_reward) * kl  # this step's β (adaptive: --kl-target)
+        R = R - state.setdefault("kl_in_reward", a.kl_in_reward) * kl  # this step's β (see --kl-target)
         stats.update({"kl/in_reward": kl.mean().item(), "kl/in_reward_coef": state["kl_in_reward"]})
         words["R"] += f" - {a.kl_in_reward:g}·Σ_t log π_old/π_ref"
-        if a.kl_target:  # Ziegler et al. (1909.08593) §2.2, as verl's AdaptiveKLController (its horizon: 1e4)
+        if a.kl_target:  # Ziegler et al. (1909.08593) §2.2, as verl's AdaptiveKLController (horizon 1e4)
             error = (kl / (mask.sum(-1) + 1e-8)).mean().item() / a.kl_target - 1  # KL: the token means' mean
             state["kl_in_reward"] *= 1 + min(max(error, -0.2), 0.2) * len(R) / 1e4  # the next step's β
             words["R"] += f" (β at first; then ×= 1 + clip(KL/{a.kl_target:g} - 1, ±0.2)·M/1e4 a step)"
@@ -1138,22 +1148,23 @@ def aggregate_loss(loss, mask, mode: str, max_len: int, n_seqs=None, n_tokens=No
 def token_objective(logp, entropy, b: dict, a: Args):
     """A micro-batch's per-token loss ℓ (N, C) before aggregation, its terms in --dry-run's order, each
     beside its words; diagnostics (N, C) by name, logged as means over the trained tokens where finite.
-    logp, entropy (N, C): the policy's, with gradient; b: the micro-batch's rows (step_terms' tensors: adv,
-    loss_mask, keep; sampler_logp) and the step inputs a term reads (step_inputs computes them for it). FORKER: a new term
-    or token weight is a line here and its words the next; a metric, a line in `diag`."""
+    logp, entropy (N, C): the policy's, with gradient; b: the micro-batch's rows, step_terms' tensors (adv,
+    loss_mask, keep), sampler_logp and the step inputs a term reads (step_inputs computes them for it).
+    FORKER: a new term or token weight is a line here and its words the next; a metric, a line in `diag`."""
+    mask = b["loss_mask"]
     old_logp = logp.detach()  # one update a step: ratio 1, no extra forward
     words = {"π_old": "sg(π_θ): one update a step, so r = 1"}
     if a.num_iterations > 1:  # teacher rows too: π_old is the policy's (advantage-weighted imitation)
         old_logp = b["old_logp"]
         words["π_old"] = f"π_θ before the first of {a.num_iterations} updates on the step's rows"
-    loss, diag, more = policy_loss(logp, old_logp, b["adv"], b["loss_mask"], a)  # the surrogate
+    loss, diag, more = policy_loss(logp, old_logp, b["adv"], mask, a)  # the surrogate
     words.update(more)
     # the sampler's own log-probs (NaN on teacher rows): their gap to the trainer's is its health check
-    known = (b["loss_mask"] > 0) & b["sampler_logp"].isfinite()
+    known = (mask > 0) & b["sampler_logp"].isfinite()
     diag["sampler/logp_gap"] = torch.where(known, (old_logp - b["sampler_logp"]).abs(), math.nan)
     if a.opsm_delta < math.inf:  # off-policy sequence masking: DeepSeek-V3.2 (2512.02556) eq. 9, as TRL's
         drift = torch.where(known, b["sampler_logp"], old_logp) - logp.detach()  # teacher rows: π_old
-        drift = torch.where(b["loss_mask"] > 0, drift, 0).sum(-1, keepdim=True) / b["loss_mask"].sum(-1, keepdim=True)
+        drift = torch.where(mask > 0, drift, 0).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)
         diag["loss/opsm_frac"] = (b["adv"] < 0) & (drift > a.opsm_delta)  # (N, 1): the rows dropped
         loss = loss * ~diag["loss/opsm_frac"]
         words["ℓ"] = f"({words['ℓ']})·1[A_i ≥ 0 or mean_t log π_sampler/π_θ ≤ {a.opsm_delta:g}]"
@@ -1169,7 +1180,7 @@ def token_objective(logp, entropy, b: dict, a: Args):
         words["ℓ"] = f"({words['ℓ']})·{a.tis_mode}(π_old/π_sampler, [{a.tis_min:g}, {a.tis:g}])"
     diag["kl"] = torch.zeros_like(logp)  # k3's value, KL(pi || ref), whatever --kl trains; 0 without --beta
     if a.beta:  # KL only where the mask is on: past EOS, exp(ref - logp) can overflow, its gradient be NaN
-        ref = torch.where(b["loss_mask"] > 0, b["ref_logp"], logp.detach())
+        ref = torch.where(mask > 0, b["ref_logp"], logp.detach())
         loss = loss + a.beta * kl_penalty(logp, ref, a.kl, old_logp)
         diag["kl"] = kl_penalty(logp.detach(), ref)
         words["ℓ"] += f" + {a.beta:g}·KL_{a.kl}(π_θ, π_ref)"
@@ -1234,7 +1245,7 @@ def train_step(model, ref_model, opt, groups: list[dict], a: Args, state: dict |
     params = [p for p in model.parameters() if p.requires_grad]
     batch, rows, n_seqs, n_tokens, stats = prepare(model, ref_model, groups, a, state)
     chunks = [rows[i:i + a.micro_batch_size] for i in range(0, len(rows), a.micro_batch_size)]
-    mask, teacher = batch["loss_mask"], batch["is_teacher"][:, None].float()  # the pool's halves, one normaliser
+    mask, teacher = batch["loss_mask"], batch["is_teacher"][:, None].float()  # the pool's halves, one norm.
     parts = {"student": mask * (1 - teacher), "teacher": mask * teacher} if a.split_grads else {"all": mask}
     for update in range(a.num_iterations):
         for p in params:
@@ -1266,7 +1277,8 @@ def train_step(model, ref_model, opt, groups: list[dict], a: Args, state: dict |
         total = {k: sum(d.get(k, 0.0) for d in every) for k in set().union(*every)}
         norm = torch.nn.utils.clip_grad_norm_(params, a.max_grad_norm or math.inf).item()
         if not math.isfinite(norm + total["loss"]):  # not applied (the step's earlier updates were)
-            return {**stats, "train/not_finite": 1.0, "train/updates": update, "train/rows": total["train/rows"]}
+            rows_trained = total["train/rows"]  # every rank's
+            return {**stats, "train/not_finite": 1.0, "train/updates": update, "train/rows": rows_trained}
         out["grad/norm"] = norm
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -1302,9 +1314,6 @@ def edit_source_grads(grads: dict, params: list, a: Args) -> tuple[dict, str]:
 
 # ============================================================================= run-keeping
 # Nothing below changes the algorithm: evaluation, processes, checkpoints, logs, signals, --dry-run, main().
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    return 1 - math.comb(n - c, k) / math.comb(n, k)
 
 @torch.no_grad()
 def evaluate(model, tok, examples: list[dict], a: Args, rank=0, world=1, sampler=None, tools=None) -> dict:
