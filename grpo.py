@@ -251,7 +251,7 @@ def check_args(a: Args, typed=()):
             fail(f"{dash(name)} does nothing without {needs}: add it, or drop {dash(name)}")
     checks = [
         (not a.output_dir, "--output-dir must name a directory"),
-        (a.num_generations + a.teacher_per_group < 2, "a group needs 2 completions: raise --num-generations"),
+        (group_size(a) < 2, "a group needs 2 completions: raise --num-generations"),
         (a.resume and a.overwrite, "--resume continues the run, --overwrite deletes it: give one"),
         (a.load_in_4bit and a.lora_r == 0, "--load-in-4bit trains LoRA adapters: set --lora-r > 0"),
         (a.top_k_groups > a.prompts_per_step, "--top-k-groups must be at most --prompts-per-step"),

@@ -5,10 +5,12 @@ In tiers, as the file reads: the math against hand-computed values; the rewards;
 model in-process (gradients, log-probs, sampling); then whole runs of grpo.py, in-process where they can be
 and as a subprocess where a signal, torchrun or a fresh interpreter is what is tested."""
 import argparse
+import collections
 import copy
 import decimal
 import errno
 import fcntl
+import inspect
 import itertools
 import json
 import math
@@ -353,15 +355,16 @@ def test_k3_ratio_is_weighted_by_the_policy_ratio_off_policy():
 
 
 # ----------------------------------------------------------------------------- the step: advantages and masks
-def step(a, reward, mask=None, **inputs):
+def step(a, reward, mask=None, state=None, **inputs):
     """step_terms on one process's rows: rewards (M,), groups of G = a.num_generations rows; a mask of 3 tokens
-    a row unless given; inputs: what a term reads (old_logp, ref_logp, old_entropy, per_fn, truncated)."""
+    a row unless given; the run's state (a fresh one unless given); inputs: what a term reads (old_logp,
+    ref_logp, old_entropy, per_fn, truncated)."""
     reward = torch.as_tensor(reward, dtype=torch.float64)
     mask = torch.ones(len(reward), 3, dtype=torch.float64) if mask is None else torch.as_tensor(mask).double()
     s = dict(reward=reward, mask=mask, truncated=torch.zeros(len(reward), dtype=torch.bool),
              is_teacher=torch.zeros(len(reward), dtype=torch.bool), sampler_logp=torch.zeros_like(mask),
              per_fn=reward[:, None])
-    made, stats, words = grpo.step_terms({**s, **inputs}, a, {})
+    made, stats, words = grpo.step_terms({**s, **inputs}, a, {} if state is None else state)
     return made["adv"], made["row_adv"][:, 0], made["loss_mask"], made["keep"], made["flat"][:, 0], stats, words
 
 
@@ -999,6 +1002,33 @@ def test_gdpo_weighs_each_reward_as_build_rewards_reads_rewards():
     quarter = replace(a, rewards="correct,format:0.25")
     other = step(quarter, per_fn @ torch.tensor([1, 0.25]).double(), per_fn=per_fn)[1]
     assert not torch.allclose(other, want)  # the weight reaches the sum
+
+
+def test_adaptive_kl_in_reward_keeps_its_beta_in_the_run_state_as_verl_s_controller():
+    """--kl-target: --kl-in-reward's β is the run's state, read by the step and moved for the next by verl 0.9.1's
+    AdaptiveKLController (Ziegler et al. 2019 §2.2: β ×= 1 + clip(KL / target - 1, ±0.2)·M / horizon, horizon
+    1e4, M the step's rows, KL the mean over rows of their token means of log π_old/π_ref), 3 steps on
+    peer_inputs: verl's own class and apply_kl_penalty's KL (0.0880434901629468) gave the values below. Each
+    step's rewards use its β: the advantages move with it. Without --kl-target β stays, and is not in the state
+    when --kl-in-reward is off."""
+    x = peer_inputs()
+    inputs = dict(old_logp=x["old_logp"], ref_logp=x["ref_logp"])
+    for target, want in ((0.1, [0.05, 0.049997608698032596, 0.04999521751043169, 0.049992826437191815]),
+                         (2.0, [0.05, 0.049996000000000006, 0.04999200032000001, 0.04998800095997441])):
+        a, state, advs = grpo.Args(num_generations=2, kl_in_reward=0.05, kl_target=target), {}, []
+        for t in range(3):
+            _, row_adv, _, _, _, stats, _ = step(a, [1.0, 1.0, 0.0, 0.0], x["mask"], state, **inputs)
+            assert stats["kl/in_reward_coef"] == want[t] and state == {"kl_in_reward": want[t + 1]}
+            kl = ((x["old_logp"] - x["ref_logp"]) * x["mask"]).sum(-1)
+            R = (torch.tensor([1.0, 1, 0, 0]) - want[t] * kl).view(2, 2)
+            assert row_adv.tolist() == pytest.approx((R - R.mean(1, keepdim=True)).div(R.std(1, keepdim=True)
+                                                                                     + 1e-6).flatten().tolist())
+            advs.append(row_adv)
+        assert not torch.equal(advs[0], advs[2])
+    fixed = {}
+    step(grpo.Args(num_generations=2, kl_in_reward=0.05), [1.0, 1.0, 0.0, 0.0], x["mask"], fixed, **inputs)
+    step(grpo.Args(num_generations=2), [1.0, 1.0, 0.0, 0.0], x["mask"], off := {}, **inputs)
+    assert fixed == {"kl_in_reward": 0.05} and off == {}
 
 
 def test_kl_in_reward_by_hand_and_against_verl():
@@ -1735,7 +1765,10 @@ def test_dry_run_prints_the_objective_then_the_flags(capsys):
                           "  ℓ_i,t = -min(r·A_i, clip(r, 1-0.2, 1+0.2)·A_i),  r = π_θ/π_old per token\n")
     assert "A_i = R_i - mean_g(R)\n" in out and "/ (std" not in out and "--algo 'drgrpo'" in out
     assert "groups trained: all; those of equal rewards (A = 0) skipped: ∇ℓ = 0 there" in out
-    assert len(out.splitlines()) < 25
+    objective, flags = out.split("\n\n")  # the objective, a line a stage in the order they act; then the flags
+    starts = [line.split()[0] for line in objective.splitlines()]
+    assert starts == ["loss", "ℓ_i,t", "π_old", "A_i", "R_i", "o_1..8", "groups"] and flags.startswith("--algo")
+    assert "B = 8 prompts q a step" in objective  # draw's words
     grpo.main(["--algo", "dapo", "--dry-run"])
     out = capsys.readouterr().out
     assert "loss = Σ_i Σ_t ℓ_i,t / Σ_i |o_i|," in out and "1+0.28" in out and "dynamic sampling (≤4 rounds)" in out
@@ -1838,6 +1871,35 @@ def test_dry_run_shows_every_flag_that_changes_the_objective():
             unseen.append(f.name)
     assert unseen == []
     assert NOT_THE_OBJECTIVE < set(grpo.Args.__dataclass_fields__)  # no stale names
+
+
+def test_the_step_s_map_names_the_functions_in_the_order_main_runs_them():
+    """The map where the loop begins names the step's stages in the order they run: each name a function of
+    grpo.py, and main and train_step call the stages in that order (a renamed or reordered stage breaks it)."""
+    source = inspect.getsource(grpo)
+    block = source.split("# A step, as main runs it:")[1].split("\ndef ")[0]
+    names = [n for n in re.findall(r"[a-z_]+", block) if callable(getattr(grpo, n, None))]
+    stages = list(dict.fromkeys(names))
+    assert stages[:10] == ["at_step", "rollout", "draw", "generate", "score", "select_groups", "train_step",
+                           "prepare", "collate", "step_inputs"]
+    order = lambda fn, names: [inspect.getsource(fn).index(n + "(") for n in names]  # noqa: E731
+    assert order(grpo.main, ["at_step", "rollout", "train_step"]) == sorted(order(grpo.main, ["at_step", "rollout",
+                                                                                              "train_step"]))
+    assert order(grpo.rollout, ["draw", "generate", "score", "select_groups"]) == sorted(
+        order(grpo.rollout, ["draw", "generate", "score", "select_groups"]))
+    inside = ["collate", "probe", "step_inputs", "gather_step", "step_terms"]
+    assert order(grpo.prepare, inside) == sorted(order(grpo.prepare, inside))
+
+
+def test_each_fact_is_written_once():
+    """A fact the step uses in several places has one home: G (group_size), "a group's rewards are all equal"
+    (equal), pass@k's estimator (above the banner, where a term may use it), a record's chat prompt
+    (chat_prompt's template call)."""
+    source = inspect.getsource(grpo)
+    for fact in ("num_generations + a.teacher_per_group", ".max(-1).values == ", "math.comb(n - c, k)",
+                 "apply_chat_template(messages"):
+        assert source.count(fact) == 1, fact
+    assert source.index("def pass_at_k") < source.index("# ===") and "def group_size" in source
 
 
 def test_paths_are_saved_absolute(tmp_path, tiny_dir):
@@ -2286,6 +2348,62 @@ def test_kl_reference_is_the_base_model(tiny_dir):
     assert m["kl"] == pytest.approx((((d.exp() - d - 1) * batch["mask"]).sum() / batch["mask"].sum()).item(), rel=1e-4)
 
 
+def test_a_tensor_step_terms_returns_reaches_token_objective_by_name_and_is_no_input(loaded, monkeypatch):
+    """A token set or weight is a name step_terms returns beside adv, loss_mask and keep: it reaches each of
+    token_objective's micro-batches, this rank's rows of it, under that name, and probe tells it from an input
+    (one a term reads and step_inputs computes): what step_terms writes is no input."""
+    a, model, tok = loaded
+    step_terms, token_objective, seen = grpo.step_terms, grpo.token_objective, []
+    def with_a_weight(s, a, state):  # the fork: a per-token weight, 1 + its place in the step's rows
+        made, stats, words = step_terms(s, a, state)
+        made["w"] = 1 + torch.arange(made["loss_mask"].numel(), dtype=torch.float).view_as(made["loss_mask"])
+        return made, stats, words
+    def weighted(logp, entropy, b, a):
+        if not isinstance(b, collections.defaultdict):  # (probe's made-up step is one)
+            seen.append(b["w"].clone())
+        loss, diag, words = token_objective(logp, entropy, b, a)
+        return loss * b["w"], diag, words
+    monkeypatch.setattr(grpo, "step_terms", with_a_weight)
+    monkeypatch.setattr(grpo, "token_objective", weighted)
+    assert grpo.probe(a)[0] == set()  # drgrpo reads no input; "w" is written
+    groups = tiny.fixed_groups(tok, [[0, 1, 0, 1], [1, 0, 0, 1]], a)
+    grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), groups, a)
+    C = max(len(c) for g in groups for c in g["completions"])
+    assert torch.equal(torch.cat(seen), 1 + torch.arange(8 * C, dtype=torch.float).view(8, C))  # micro-batches 3, 3, 2
+
+
+def test_the_step_s_statistics_see_every_rank_s_trained_tokens_as_one_process(loaded, monkeypatch):
+    """step_stats gets each of token_objective's diagnostics as (M, C) over every rank's rows in sampling order,
+    NaN where it is not defined (a padded token, a row not trained): a statistic that is not a mean (a max, a
+    quantile) is a line there. Here a second rank's rows come back from the gather beside this one's, and a
+    quantile of the ratio, added in one line, is over both."""
+    a, model, tok = loaded
+    groups = tiny.fixed_groups(tok, [[0, 1, 0, 1], [1, 1, 1, 1]], a)  # the second group: equal, skipped
+    seen, real, stats = [], grpo.all_gather, grpo.step_stats
+    def with_a_quantile(d):
+        seen.append(d)
+        return {**stats(d), "loss/ratio_q50": grpo.quantile(d["loss/ratio"][d["loss/ratio"].isfinite()], 0.5)}
+    monkeypatch.setattr(grpo, "step_stats", with_a_quantile)
+    m = grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), groups, a)
+    d = seen[0]
+    lengths = [len(c) for g in groups for c in g["completions"]]
+    want = torch.tensor([[t < n and i < 4 for t in range(max(lengths))] for i, n in enumerate(lengths)])
+    assert torch.equal(d["loss/ratio"].isfinite(), want) and torch.equal(d["order"], torch.tensor([0] * 4 + [1] * 4))
+    assert m["loss/ratio_q50"] == 1.0 and m["loss/ratio"] == 1.0  # one update: r = 1 on every trained token
+    def two_ranks(obj):  # the gather of the tokens: a second rank's rows, the same groups as 2 and 3
+        if isinstance(obj, dict) and "loss/ratio" in obj and "order" in obj:
+            other = {k: v.clone() for k, v in obj.items()}
+            other["order"] += 2
+            other["sampler/logp_gap"] = torch.where(other["sampler/logp_gap"].isfinite(), 7.0, math.nan)
+            return [obj, other]
+        return real(obj)
+    for g in groups:  # the sampler's log-probs, known: the gap is defined
+        g["sampler_logp"] = [torch.full((len(c),), -3.0) for c in g["completions"]]
+    monkeypatch.setattr(grpo, "all_gather", two_ranks)
+    m = grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), groups, a)
+    assert seen[-1]["loss/ratio"].shape[0] == 16 and m["sampler/logp_gap_max"] == 7.0  # the other rank's worst
+
+
 def test_a_rank_with_no_row_to_train_leaves_the_step_s_metrics_to_the_others(loaded, monkeypatch):
     """Under torchrun a rank may train no row (it kept no group, or only equal-reward ones, skipped) while
     another does: the step's token means and the sampler gap's worst token are the other ranks'. Here the
@@ -2408,6 +2526,9 @@ def test_the_step_s_gradient_is_the_papers_and_mask_truncated_drops_rows(loaded,
     assert_same_update(masked, want)
     assert not all(torch.allclose(want[n], v, rtol=1e-3) for n, v in hand_update(model, batch, agg, 6).items())
     assert m["train/rows"] == 16 - 8 - 2  # the two zero-variance groups are skipped, and the truncated rows
+    prepared = grpo.prepare(model, None, groups, replace(a, mask_truncated=True), {})[0]
+    assert torch.equal(prepared["mask"], batch["mask"])  # the completion mask: collate's, as it was
+    assert torch.equal(prepared["loss_mask"], batch["mask"] * kept[:, None])  # the loss mask: its own name
 
 
 def test_with_beta_the_zero_variance_rows_train_their_kl(loaded):
@@ -3932,6 +4053,79 @@ def test_resume_continues_the_run_bit_for_bit_from_anywhere(tiny_dir, tmp_path):
     a, b = trained(straight), trained(split)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert json.load(open(split + "/checkpoint/grpo_args.json"))["teacher_pool"] == str(moved / "pool.jsonl")
+
+
+def test_a_schedule_in_at_step_reaches_the_sampler_and_the_trainer_alike(tiny_dir, tmp_path, monkeypatch):
+    """A schedule is a line in at_step (here the temperature, 0.6 at step 1 and 1.4 at step 2): the sampler and
+    the trainer's log-probs both read the step's copy of the flags, so the sampler's log-probs are the
+    trainer's (a trainer at another temperature would be nats off, and the run stopped as with stale weights),
+    and the saved run's flags are the run's, not a step's."""
+    real, sample, token_logps, used = grpo.at_step, grpo.sample, grpo.token_logps, []
+    def scheduled(a, state, step):
+        t = real(a, state, step)
+        t.temperature = [0.6, 1.4][step - 1]
+        return t
+    def sampling(model, tok, held, new_tokens, a, *args, **kw):
+        used.append(("sampler", a.temperature))
+        return sample(model, tok, held, new_tokens, a, *args, **kw)
+    def trainer(*args):
+        used.append(("trainer", args[-1]))
+        return token_logps(*args)
+    monkeypatch.setattr(grpo, "at_step", scheduled)
+    monkeypatch.setattr(grpo, "sample", sampling)
+    monkeypatch.setattr(grpo, "token_logps", trainer)
+    out = str(tmp_path / "out")
+    main(["--model", tiny_dir, "--output-dir", out, "--max-steps", "2"] + TINY + ["--eval-every", "0"])
+    assert sorted(set(used)) == [("sampler", 0.6), ("sampler", 1.4), ("trainer", 0.6), ("trainer", 1.4)]
+    assert all(r["sampler/logp_gap"] < 1e-4 for r in metrics(out))
+    assert json.load(open(out + "/checkpoint/grpo_args.json"))["temperature"] == 1.0
+
+
+CURRICULUM = ["--reward-fn", "rw.py:solved_or_digits", "--rewards", "correct", "--no-overlong-penalty"]
+SOLVED_OR_DIGITS = """def solved_or_digits(c, a, prompt, **kw):  # prompts 0 and 1: solved at once; 2 and 3: never
+    return 1.0 if prompt in ('What is 0 + 0?', 'What is 1 + 1?') else min(0.9, sum(ch.isdigit() for ch in c) / 10)
+"""
+
+
+def test_a_curriculum_in_draw_and_a_schedule_over_max_steps_resume_bit_for_bit(tiny_dir, tmp_path, monkeypatch):
+    """A researcher's curriculum, forked into draw alone: skip a prompt once a group of it was all correct,
+    remembered in the run's state from state["scored"] (every rank's groups scored since the last draw). 4
+    steps straight == 2, stop, --resume to 4, bit for bit: the state (what was solved, the stream's place
+    counted where prompts are drawn, skips too) is saved and restored. A schedule over the run's max_steps
+    reads the first run's (2) after --resume --max-steps 4."""
+    def curriculum(stream, a, state):
+        solved = state.setdefault("solved", [])
+        solved += [p for p, r in state.get("scored", []) if min(r) == 1.0 and p not in solved]
+        drawn = []
+        while len(drawn) < a.prompts_per_step:
+            ex = next(stream)
+            state["prompts_drawn"] += 1
+            if ex["prompt"] not in solved:
+                drawn.append(ex)
+        return drawn, "unsolved prompts"
+    real, horizons = grpo.at_step, []
+    def recording(a, state, step):
+        horizons.append((step, state["max_steps"]))
+        return real(a, state, step)
+    monkeypatch.setattr(grpo, "draw", curriculum)
+    monkeypatch.setattr(grpo, "at_step", recording)
+    (tmp_path / "rw.py").write_text(SOLVED_OR_DIGITS)
+    common = ["--algo", "dapo", "--model", tiny_dir] + TINY + mixed_files(tmp_path)[:2] + CURRICULUM \
+        + ["--log-samples", "2", "--max-gen-rounds", "2"]
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    main(common + ["--output-dir", straight, "--max-steps", "4"], cwd=tmp_path)
+    main(common + ["--output-dir", split, "--max-steps", "2"], cwd=tmp_path)
+    main(common + ["--output-dir", split, "--max-steps", "4", "--resume"], cwd=tmp_path)
+    assert steady(metrics(split)) == steady(metrics(straight))
+    a, b = trained(straight), trained(split)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    state = torch.load(straight + "/checkpoint/trainer_state.pt", weights_only=False)
+    assert sorted(state["solved"]) == ["What is 0 + 0?", "What is 1 + 1?"]
+    late = {r["prompt"] for r in map(json.loads, open(straight + "/samples.jsonl")) if r["step"] >= 3}
+    assert late and not late & set(state["solved"])  # drawn no more
+    rounds = sum(r["groups/gen_rounds"] for r in metrics(straight))
+    assert state["prompts_drawn"] > 2 * rounds  # the skipped ones counted: the stream's place, as drawn
+    assert horizons == [(1, 4), (2, 4), (3, 4), (4, 4), (1, 2), (2, 2), (3, 2), (4, 2)]
 
 
 def test_resume_refuses_what_it_cannot_continue_in_one_line(tiny_dir, tmp_path, capsys):
