@@ -4030,10 +4030,12 @@ def test_resume_continues_the_run_bit_for_bit_from_anywhere(tiny_dir, tmp_path):
     teacher pool at a new path, and evaluates on more prompts: none of which changes what it trains. The
     learning rate warms up linearly over 3 steps, then holds (DAPO's warm-up), across the resume too. Two of the
     four prompts score 0 (their groups are dropped where the teacher's pool reward is 0 too): both steps before the
-    stop sample again, so the resumed stream starts 2 rounds of B prompts a step on, not one."""
+    stop sample again, so the resumed stream starts 2 rounds of B prompts a step on, not one. A term with
+    memory is on: the KL in the reward with an adaptive β (--kl-target), which the run's state carries."""
     common = ["--algo", "dapo", "--model", tiny_dir, "--teacher-per-group", "1", "--max-gen-rounds", "2"] + TINY \
         + mixed_files(tmp_path, relative=True) + ["--reward-fn", "rw.py:digits", "--warmup-steps", "3"] \
-        + ["--no-overlong-penalty"]  # (else the lengths' penalties would part every group's rewards)
+        + ["--no-overlong-penalty", "--kl-in-reward", "0.5", "--kl-target", "1e-3"]  # (the lengths' penalties
+    # would part every group's rewards)
     reward_file(tmp_path, "def digits(c, a, prompt, **kw):\n    return 0.0 if prompt in ('What is 0 + 0?', "
                           "'What is 1 + 1?') else sum(ch.isdigit() for ch in c) / 10\n")
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
@@ -4050,6 +4052,8 @@ def test_resume_continues_the_run_bit_for_bit_from_anywhere(tiny_dir, tmp_path):
     assert strip(metrics(split)) == strip(metrics(straight)) and len(metrics(split)) == 4
     assert [r["groups/gen_rounds"] for r in metrics(straight)[:2]] == [2, 2]  # refills before the stop
     assert [r["lr"] for r in metrics(straight)] == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3])
+    coefs = [r["kl/in_reward_coef"] for r in metrics(straight)]  # β moved by ≤ 0.2·10 rows / 1e4 a step
+    assert coefs[0] == 0.5 and len(set(coefs)) == 4 and all(abs(x / y - 1) <= 2e-4 for x, y in zip(coefs[1:], coefs))
     a, b = trained(straight), trained(split)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert json.load(open(split + "/checkpoint/grpo_args.json"))["teacher_pool"] == str(moved / "pool.jsonl")
