@@ -931,7 +931,8 @@ def step_inputs(model, ref_model, batch: dict, names: set, a: Args):
     old_logp and old_entropy by the policy before the step's first update, ref_logp by the reference: the
     policy with its LoRA adapter off (no second copy), or full fine-tuning's frozen copy. FORKER: another
     input (a second reference, a value head's output) is a branch here; a term then reads it by its name."""
-    chunks = torch.arange(len(batch["mask"])).split(a.micro_batch_size)
+    N = len(batch["mask"])
+    chunks = [list(range(i, min(i + a.micro_batch_size, N))) for i in range(0, N, a.micro_batch_size)]
     with torch.no_grad():
         if names & {"old_logp", "old_entropy"}:
             batch["old_logp"] = torch.empty_like(batch["mask"])

@@ -4709,7 +4709,7 @@ a = grpo.parse_args(["--model", model_dir, "--dataset", data, "--prompts-per-ste
                      "--max-new-tokens", "4", "--dynamic-sampling", "--max-gen-rounds", "3", "--top-k-groups", "3",
                      "--soft-reweight", "--scale", "none", "--opsm-delta", "0.5", "--tis", "2", "--tis-mode",
                      "token_mask", "--top-entropy-quantile", "0.5",  # the filters count what they drop
-                     "--tools", "calculator"])
+                     "--tools", "calculator", "--kl-in-reward", "0.05", "--kl-target", "0.1"])  # (β: a state)
 torch.manual_seed(0)
 model, tok, _ = grpo.load_model(a, device)
 train, _ = grpo.load_data(a)
@@ -4799,6 +4799,7 @@ def test_two_processes_filter_as_one_and_refuse_what_they_cannot_run(tiny_dir, t
     assert m["sampler/logp_gap_max"] > 20 and m["train/rows"] == 6  # the largest gap: on rank 1
     assert all(0 < m[f"loss/{k}_frac"] < 1 for k in ("opsm", "tis", "low_entropy")), m  # (rank 0's rows, 1's)
     assert 0 < m["tools/call_frac"] < 1 and 0 < m["tools/errors"] < 1  # (--tools: the calls of every rank's rows)
+    assert m["kl/in_reward_coef"] == 0.05  # a term with state: its first step's β, on both ranks as on one
 
 
 def test_two_processes_mixed_pool_refill_sigterm_and_resume(tiny_dir, tmp_path):
