@@ -1128,7 +1128,6 @@ def kl_penalty(logp, ref_logp, kind: str = "k3", old_logp=None):
     ratio = torch.exp(logp.detach() - (logp.detach() if old_logp is None else old_logp))
     return ratio * (k3.detach() - d.detach() * (logp - logp.detach()))
 
-
 def aggregate_loss(loss, mask, mode: str, max_len: int, n_seqs=None, n_tokens=None):
     """Token losses (N, C) -> scalar, with verl's names, and --dry-run's words. n_seqs / n_tokens: the
     normalisers of the WHOLE step (every micro-batch and rank; default: this batch's); a sequence with no loss
