@@ -502,10 +502,9 @@ def completion_mask(ids: torch.Tensor, eos_ids) -> torch.Tensor:
     return torch.arange(ids.shape[1], device=ids.device)[None] <= first[:, None]
 
 def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False, sampler=None, tools=None):
-    """n completions a prompt, drawn until EOS or T tokens; with --tools a turn that ends in calls gets their
-    results (tool_turn) and draws on, T tokens in all. -> prompt ids, completions, truncated (not ended by
-    the model's EOS), the sampler's log-probs (NaN: a tool's, or greedy), tool masks (0: a tool's token) and
-    the calls."""
+    """n completions a prompt, to EOS or T tokens; --tools: a turn that ends in calls gets their results
+    (tool_turn) and draws on, T tokens in all. -> prompt ids, completions, truncated (not ended by the model's
+    EOS), the sampler's log-probs (NaN: a tool's, or greedy), tool masks (0: a tool's token), the calls."""
     eos = model.generation_config.eos_token_id
     prompts = [torch.tensor(ids) for ids in tok(texts, add_special_tokens=not tok.chat_template).input_ids]
     pieces = [[] for _ in range(len(texts) * n)]  # a row's (tokens, sampler log-probs, tool mask), in order
