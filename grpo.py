@@ -944,9 +944,8 @@ def step_inputs(model, ref_model, batch: dict, names: set, a: Args):
                     batch["ref_logp"][idx] = policy_logps(ref_model or model, batch, idx, a)[0]
 
 def gather_step(batch: dict, pad: float = 0.0) -> tuple[dict, torch.Tensor]:
-    """Every rank's rows of the step (all but the token ids), on the CPU, in sampling order as one process has
-    them, (n, C) padded with `pad` to the longest (all pad where a rank lacks the key); and where this rank's
-    rows are among them."""
+    """Every rank's rows (not the token ids) on the CPU, in sampling order as one process has them, (n, C)
+    padded with `pad` to the longest (all pad for a key a rank lacks); where this rank's are among them."""
     mine = {k: v.cpu() for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
     every = all_gather(mine)
     def widen(k, part):  # (n, C_rank) -> (n, C), C the longest
