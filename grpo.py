@@ -1217,10 +1217,9 @@ def probe(a: Args):
     return set(step) - set(rows) - set(made), skip, {**words, **more}
 
 def prepare(model, ref_model, groups: list[dict], a: Args, state: dict | None):
-    """The step before its first update: this rank's rows collated, with the inputs its terms read;
-    step_terms on every rank's rows; this rank's share of its tensors (adv, loss_mask, ...; A_i also in its
-    groups, for samples.jsonl) and rows to train (an equal-reward group only where skipping it changes
-    nothing); the step's normalisers."""
+    """Before the step's first update: this rank's rows collated, with its terms' inputs; step_terms on every
+    rank's rows; this rank's share of its tensors (adv, loss_mask, ...; A_i also in groups, for samples.jsonl)
+    and rows to train (an equal-reward group only if skipping it changes nothing); the step's normalisers."""
     device = next(model.parameters()).device
     batch = collate(groups, model.generation_config.pad_token_id, device)
     reads, skip_flat, _ = probe(a)
