@@ -1127,9 +1127,8 @@ def kl_penalty(logp, ref_logp, kind: str = "k3", old_logp=None):
     return ratio * (k3.detach() - d.detach() * (logp - logp.detach()))
 
 def aggregate_loss(loss, mask, mode: str, max_len: int, n_seqs=None, n_tokens=None):
-    """Token losses (N, C) -> scalar, with verl's names, and --dry-run's words. n_seqs / n_tokens: the
-    normalisers of the WHOLE step (every micro-batch and rank; default: this batch's); a sequence with no loss
-    token counts in neither."""
+    """Token losses (N, C) -> scalar (verl's names), --dry-run's words. n_seqs, n_tokens: the WHOLE step's
+    normalisers (over micro-batches, ranks; None: this batch's); a row with no loss token is in neither."""
     n_seqs = (mask.sum(-1) > 0).sum() if n_seqs is None else n_seqs
     n_tokens = mask.sum() if n_tokens is None else n_tokens
     per_seq = torch.where(mask != 0, loss * mask, 0).sum(-1)  # (N,); a NaN or inf past EOS must not leak in
