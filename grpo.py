@@ -1292,13 +1292,12 @@ def step_stats(d: dict) -> dict:
     return out
 
 def edit_source_grads(grads: dict, params: list, a: Args) -> tuple[dict, str]:
-    """--split-grads: the student and teacher gradients g_s, g_t, summed over micro-batches and ranks, before
-    clipping and the step; .grad = g_s + g_t, the full-batch gradient; its metrics and --dry-run's words (also
-    with no grads). FORKER: project or drop either here."""
+    """--split-grads: g_s, g_t, the student and teacher gradients summed over micro-batches and ranks, before
+    clipping and the step -> .grad = g_s + g_t (the full-batch gradient), metrics, --dry-run's words."""
     words = "; ∇ = g_s + g_t, the student's and the teacher's rows backpropagated apart"
     if not grads:  # none without --split-grads; --dry-run's call
         return {}, words if a.split_grads else ""
-    g_s, g_t = grads["student"], grads["teacher"]
+    g_s, g_t = grads["student"], grads["teacher"]  # FORKER: project or drop either here
     norm_s = torch.sqrt(sum((g * g).sum() for g in g_s))
     norm_t = torch.sqrt(sum((g * g).sum() for g in g_t))
     cos = sum((s * t).sum() for s, t in zip(g_s, g_t)) / (norm_s * norm_t).clamp(min=1e-30)
