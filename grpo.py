@@ -1282,10 +1282,9 @@ def train_step(model, ref_model, opt, groups: list[dict], a: Args, state: dict |
     return {**stats, **out, "loss": total["loss"], "train/rows": total["train/rows"]}
 
 def step_stats(d: dict) -> dict:
-    """The step's statistics but the means (train_step's), over every rank's trained tokens as one process
-    has them: d[name] (M, C), a diagnostic of token_objective, NaN where it is not defined. FORKER: another
-    statistic of one (a quantile, a covariance, a max) is a line here."""
-    out = {}
+    """The step's statistics but the means (train_step's), over every rank's trained tokens as one process has
+    them: d[name] (M, C), a diagnostic of token_objective, NaN where it is not defined."""
+    out = {}  # FORKER: another statistic of one (a quantile, a covariance, a max) is a line here
     gap = d.get("sampler/logp_gap", torch.tensor([math.nan]))
     if gap.isfinite().any():  # the sampler's health check at its worst token
         out["sampler/logp_gap_max"] = gap[gap.isfinite()].max().item()
