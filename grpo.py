@@ -728,9 +728,8 @@ def build_rewards(a: Args) -> list[tuple[str, object, float]]:
     return fns
 
 def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns, a: Args, calls=None):
-    """Rewards (n,), each function's values, and the words --dry-run shows for what is added. A function gets
-    the completion, the answer and, as keywords, the example's other fields (as TRL's) and reward_keywords;
-    one that raises or gives no number stops the run."""
+    """Rewards (n,), each function's values, and --dry-run's words for what is added. A function gets the
+    completion, the answer and, as keywords, the example's other fields (as TRL's) and reward_keywords."""
     total = torch.zeros(len(texts))
     per_fn = {}
     for name, fn, weight in reward_fns:
