@@ -799,10 +799,9 @@ def all_gather(obj) -> list:  # [every rank's obj]
     return out
 
 def draw(stream, a: Args, state: dict) -> tuple[list[dict], str]:
-    """A round's B prompts (every rank's) and --dry-run's words; state["prompts_drawn"] counts what the stream
-    gave, for --resume. FORKER: a filter on what is drawn (a curriculum) skips examples here; state["scored"]
-    holds the groups scored since the last draw, every rank's, [(prompt, rewards)]."""
-    state["prompts_drawn"] += a.prompts_per_step
+    """A round's B prompts (every rank's), --dry-run's words. FORKER: a filter on what is drawn (a curriculum)
+    skips examples here; state["scored"]: every rank's groups scored since the last draw, [(prompt, R)]."""
+    state["prompts_drawn"] += a.prompts_per_step  # what the stream gave, for --resume
     return [next(stream) for _ in range(a.prompts_per_step)], f"B = {a.prompts_per_step} prompts q a step"
 
 def rollout(model, tok, stream, reward_fns, pool, a: Args, state, sampler=None, rank=0, world=1, tools=None):
