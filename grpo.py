@@ -785,8 +785,7 @@ def select_groups(rewards: torch.Tensor, a: Args) -> tuple[torch.Tensor, bool, s
         words += f", then the top-{a.top_k_groups} by std"
     return keep, enough, words
 
-# Several processes (torchrun): each rank samples whole groups; these two carry what the ranks share.
-def all_sum(x: torch.Tensor) -> torch.Tensor:
+def all_sum(x: torch.Tensor) -> torch.Tensor:  # torchrun: this and all_gather carry what the ranks share
     if dist.is_initialized():
         dist.all_reduce(x)
     return x
