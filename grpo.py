@@ -1152,9 +1152,8 @@ def token_objective(logp, entropy, b: dict, a: Args):
         words["π_old"] = f"π_θ before the first of {a.num_iterations} updates on the step's rows"
     loss, diag, more = policy_loss(logp, old_logp, b["adv"], mask, a)  # the surrogate
     words.update(more)
-    # the sampler's own log-probs (NaN on teacher rows): their gap to the trainer's is its health check
-    known = (mask > 0) & b["sampler_logp"].isfinite()
-    diag["sampler/logp_gap"] = torch.where(known, (old_logp - b["sampler_logp"]).abs(), math.nan)
+    known = (mask > 0) & b["sampler_logp"].isfinite()  # the sampler's own log-probs: NaN on teacher rows
+    diag["sampler/logp_gap"] = (old_logp - b["sampler_logp"]).abs().where(known, math.nan)  # health check
     if a.opsm_delta < math.inf:  # off-policy sequence masking: DeepSeek-V3.2 (2512.02556) eq. 9, as TRL's
         drift = torch.where(known, b["sampler_logp"], old_logp) - logp.detach()  # teacher rows: π_old
         drift = torch.where(mask > 0, drift, 0).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)
