@@ -978,13 +978,12 @@ def soft_weights(stds: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return stds / (stds.max() + eps)
 
 def step_terms(s: dict, a: Args, state: dict):
-    """The step as one process sees it: every rank's rows in sampling order, G a group. s: rewards R (M,), the
-    completion mask (M, C), truncated, is_teacher, per_fn, sampler_logp, the step inputs a term reads; state:
-    the run's (at_step), where a term keeps a value across steps. Returns what token_objective reads by name,
-    (M, 1) or (M, C): adv (A_i, or per token), row_adv (A_i), loss_mask, keep (the tokens the policy loss and
-    the entropy bonus act on), flat (a row of an equal-reward group: A = 0); metrics; --dry-run's words.
-    FORKER: a reward-, advantage- or mask-level term, or a token set or weight (a name returned), is a line
-    here and its words the next; a statistic over the step (quantile) sees every rank's rows."""
+    """Every rank's rows of the step as one process has them (a statistic, as quantile, sees them all), G a
+    group. s: collate's tensors (reward (M,), mask (M, C), ...) and the step inputs a term reads; state: the
+    run's (at_step), a term's memory across steps. -> what token_objective reads by name, (M, 1) or (M, C):
+    adv (A_i, or per token), row_adv (A_i), loss_mask, keep (the policy loss's and entropy bonus's tokens),
+    flat (A = 0: a row of an equal-reward group); metrics; --dry-run's words. FORKER: a reward-, advantage- or
+    mask-level term, or a token set or weight (a name returned), is a line here, its words the next."""
     R, mask, stats, G = s["reward"], s["mask"], {}, group_size(a)
     words = {"R": "", "m": "1 up to and including the first EOS"}
     if a.tools:  # collate's mask: 0 on a tool's tokens, so no term, normaliser or |o_i| counts them
