@@ -1139,10 +1139,9 @@ def aggregate_loss(loss, mask, mode: str, max_len: int, n_seqs=None, n_tokens=No
 
 def token_objective(logp, entropy, b: dict, a: Args):
     """A micro-batch's per-token loss ℓ (N, C) before aggregation, its terms in --dry-run's order, each
-    beside its words; diagnostics (N, C) by name, logged as means over the trained tokens where finite.
-    logp, entropy (N, C): the policy's, with gradient; b: the micro-batch's rows, step_terms' tensors (adv,
-    loss_mask, keep), sampler_logp and the step inputs a term reads (step_inputs computes them for it).
-    FORKER: a new term or token weight is a line here and its words the next; a metric, a line in `diag`."""
+    beside its words; diagnostics (N, C) by name. logp, entropy (N, C): the policy's, with gradient; b: the
+    micro-batch's rows (step_terms' adv, loss_mask, keep; sampler_logp; the step inputs a term reads). FORKER:
+    a new term or token weight is a line here, its words the next; a metric, a line in `diag`."""
     mask = b["loss_mask"]
     old_logp = logp.detach()  # one update a step: ratio 1, no extra forward
     words = {"π_old": "sg(π_θ): one update a step, so r = 1"}
