@@ -476,11 +476,10 @@ def make_optimizer(a: Args, model):
 # per micro-batch token_objective, aggregate_loss, backward -> the gradient summed over ranks -> the update.
 # A term reads an input by name (b["ref_logp"]: step_inputs computes it); its memory is the run's state.
 def at_step(a: Args, state: dict, step: int) -> Args:
-    """The flags as step `step` uses them: the sampler, rewards, terms, optimizer and evaluation read this
-    copy, so each sees the same value by construction. state: the run's memory, saved in each checkpoint and
-    restored by --resume: step, max_steps (the first run's: --resume --max-steps N moves no schedule),
-    prompts_drawn and scored (draw), what a term keeps (step_terms: kl_in_reward). FORKER: a schedule of the
-    temperature, top-p, top-k, T (up to --max-new-tokens) or a coefficient is a line here, as the lr's."""
+    """The flags step `step` uses: the sampler, rewards, terms, optimizer and evaluation read this copy, one
+    value for all. state: the run's memory, saved for --resume: step, max_steps (the first run's: --max-steps
+    N then moves no schedule), prompts_drawn and scored (draw), a term's (step_terms' kl_in_reward). FORKER: a
+    schedule of temperature, top-p, top-k, T (<= --max-new-tokens) or a coefficient: a line here, as lr's."""
     state["step"] = step
     t = dataclasses.replace(a)
     t.learning_rate = a.learning_rate * min(1, step / max(1, a.warmup_steps))  # linear warm-up, then constant
