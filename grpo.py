@@ -1108,9 +1108,8 @@ def kl_penalty(logp, ref_logp, kind: str = "k3", old_logp=None):
                 (1 - ref/pi) grad log pi has the mean grad KL(ref || pi), the reverse direction
       k3_ratio  k3 · pi / pi_old, the policy loss's ratio (DeepSeek-V3.2, 2512.02556; TRL's
                 use_bias_correction_kl): its gradient -(pi / pi_old) d grad log pi has the mean
-                grad KL(pi || ref) under samples of pi_old.
-                Written so (k3's value, -d's gradient): differentiating k3 · ratio as is would cancel
-                (1 - e^d) + (e^d - d - 1) in floating point, which loses all of -d past |d| ~ 20 in fp32
+                grad KL(pi || ref) under pi_old's samples. Written so (k3's value, -d's gradient): as is,
+                its gradient's (1 - e^d) + (e^d - d - 1) cancels in fp32, losing all of -d past |d| ~ 20
       k2        d^2 / 2: gradient -d grad log pi, whose mean is grad KL(pi || ref)"""
     d = ref_logp - logp
     if kind == "k2":
