@@ -762,20 +762,18 @@ def equal(rewards: torch.Tensor) -> torch.Tensor:  # (n, G) -> (n,): the groups 
     return rewards.max(-1).values == rewards.min(-1).values
 
 def select_groups(rewards: torch.Tensor, a: Args) -> tuple[torch.Tensor, bool, str]:
-    """rewards (n, G): every rank's groups so far, in sampling order -> the indices of those to train, whether
-    B were found, and --dry-run's words. Dynamic sampling (DAPO §3.2) keeps groups whose rewards differ, and
-    rollout samples again until B are kept or max_gen_rounds; then the first B. FORKER: a filter before
-    `enough` is refilled by sampling again; one after it leaves fewer groups to train."""
+    """rewards (n, G): every rank's groups so far -> the indices of those to train, whether B were found and
+    --dry-run's words. FORKER: a filter before `enough` is refilled by sampling again; one after it is not."""
     big = a.max_new_tokens * rewards.double().abs().sum() ** 2  # bounds every float32 sum the advantages
     if not big < torch.finfo(torch.float32).max:  # take: group means, squares, rpp's whitening over tokens
         fail(f"rewards up to {rewards.abs().max():.3g} overflow float32 in the advantages' sums (T (Σ|R|)² "
              f"over 3.4e38): scale them")
     keep = torch.arange(len(rewards))
     words = "all"
-    if a.dynamic_sampling:
+    if a.dynamic_sampling:  # DAPO §3.2: the groups whose rewards differ
         keep = keep[~equal(rewards)]
         words = f"dynamic sampling (≤{a.max_gen_rounds} rounds)"
-    enough = len(keep) >= a.prompts_per_step
+    enough = len(keep) >= a.prompts_per_step  # else rollout samples again, till B or max_gen_rounds
     keep = keep[:a.prompts_per_step]  # the first B kept, in the order one process samples them
     if a.top_k_groups:  # the hard variance filter (RAGEN, 2504.20073 §4): the k groups of largest std
         by_std = torch.argsort(rewards[keep].std(1), descending=True, stable=True)
