@@ -919,20 +919,18 @@ def policy_logps(model, batch: dict, idx: list[int], a: Args):  # -> logp, entro
         return token_logps(model, batch["input_ids"][idx], batch["attention_mask"][idx], C, a.temperature)
 
 def step_inputs(model, ref_model, batch: dict, names: set, a: Args):
-    """batch[name] (N, C) for each step input a term reads (probe), without grad, in micro-batches:
-    old_logp and old_entropy by the policy before the step's first update, ref_logp by the reference: the
-    policy with its LoRA adapter off (no second copy), or full fine-tuning's frozen copy. FORKER: another
-    input (a second reference, a value head's output) is a branch here; a term then reads it by its name."""
+    """batch[name] (N, C) for each step input a term reads (probe), in micro-batches. FORKER: another input (a
+    second reference, a value head's output) is a branch here; a term then reads it by its name."""
     chunks = torch.arange(len(batch["mask"])).split(a.micro_batch_size)
     with torch.no_grad():
-        if names & {"old_logp", "old_entropy"}:
+        if names & {"old_logp", "old_entropy"}:  # by the policy before the step's first update
             batch["old_logp"] = torch.empty_like(batch["mask"])
             batch["old_entropy"] = torch.empty_like(batch["mask"])
             for idx in chunks:
                 batch["old_logp"][idx], batch["old_entropy"][idx] = policy_logps(model, batch, idx, a)
-        if "ref_logp" in names:
+        if "ref_logp" in names:  # the reference: the policy with LoRA off, or full fine-tuning's frozen copy
             batch["ref_logp"] = torch.empty_like(batch["mask"])
-            with model.disable_adapter() if ref_model is None else nullcontext():
+            with model.disable_adapter() if ref_model is None else nullcontext():  # (no second copy)
                 for idx in chunks:
                     batch["ref_logp"][idx] = policy_logps(ref_model or model, batch, idx, a)[0]
 
