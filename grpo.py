@@ -1210,7 +1210,7 @@ def prepare(model, ref_model, groups: list[dict], a: Args, state: dict | None):
     reads, skip_flat, _ = probe(a)
     step_inputs(model, ref_model, batch, reads, a)
     s, mine = gather_step(batch)
-    made, stats, _ = step_terms(s, a, {} if state is None else state)
+    made, stats, _ = step_terms(s, a, {} if state is None else state)  # None: a step on its own
     mask = made["loss_mask"]  # every rank's
     n_seqs, n_tokens = torch.stack([(mask.sum(-1) > 0).sum().float(), mask.sum()]).tolist()
     batch.update({k: v[mine, :batch["mask"].shape[1]].to(device) for k, v in made.items()})
@@ -1220,9 +1220,8 @@ def prepare(model, ref_model, groups: list[dict], a: Args, state: dict | None):
     return batch, trained.nonzero()[:, 0].tolist(), n_seqs, n_tokens, stats
 
 def train_step(model, ref_model, opt, groups: list[dict], a: Args, state: dict | None = None) -> dict:
-    """num_iterations optimizer steps on a step's groups (prepare): micro-batches, backward (--split-grads:
-    student and teacher rows apart), the gradient summed over ranks. Metrics: the step stage's, and all ranks'
-    trained rows in the last update. state: the run's (at_step); None: a step on its own."""
+    """num_iterations optimizer steps on a step's groups, in micro-batches (--split-grads: student and teacher
+    rows apart). Metrics: the step stage's, all ranks' trained rows in the last update. state: at_step's."""
     params = [p for p in model.parameters() if p.requires_grad]
     batch, rows, n_seqs, n_tokens, stats = prepare(model, ref_model, groups, a, state)
     chunks = [rows[i:i + a.micro_batch_size] for i in range(0, len(rows), a.micro_batch_size)]
