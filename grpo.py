@@ -1079,9 +1079,8 @@ def policy_loss(logp, old_logp, adv, mask, a: Args):
     return loss, diag, words
 
 def cov_loss(ratio, clipped, log_ratio, logp, adv, mask, a: Args):
-    """Clip-Cov and KL-Cov (2505.22617 §4.3), as verl's, over a micro-batch's tokens: per token, cov =
-    (A - mean A)(log pi - mean log pi), and n = max(1, cov_ratio x tokens) are selected; the loss, the tokens
-    selected (N, C) and its words (which say what each does with them)."""
+    """Clip-Cov and KL-Cov (2505.22617 §4.3), as verl's, on a micro-batch's tokens -> the loss, the n =
+    max(1, cov_ratio x tokens) selected by cov(A, log pi) (N, C), its words (what each does with them)."""
     m = mask != 0
     cov = (adv - adv.expand_as(logp)[m].mean()) * (logp - logp[m].mean()).detach()  # (N, C)
     n = max(1, int(a.cov_ratio * m.sum()))
