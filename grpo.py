@@ -1033,10 +1033,9 @@ def step_terms(s: dict, a: Args, state: dict):
 
 # ----------------------------------------------------------------------------- the token loss
 def policy_loss(logp, old_logp, adv, mask, a: Args):
-    """Per-token policy loss (N, C), or gmpo's (N, 1), its paper beside each choice; adv (N, 1), or (N, C).
-    Diagnostics (N, C) by name: the ratio, where it left [1 - eps_low, 1 + eps_high] on the side that matters
-    (below with A < 0, above with A > 0), where dual-clip bound; --dry-run's words. With old_logp =
-    logp.detach() (r = 1) every choice's gradient is -A grad log pi (clip_cov's: none at its drawn tokens)."""
+    """Per-token policy loss (N, C), or gmpo's (N, 1), a paper beside each choice; adv (N, 1), or (N, C).
+    Diagnostics (N, C) by name (the ratio, where clipped on A's side, ...), --dry-run's words. With old_logp =
+    logp.detach() (r = 1) each choice's gradient is -A grad log pi (clip_cov's: 0 at tokens it drew)."""
     log_ratio = torch.where(mask != 0, logp - old_logp, 0)  # (N, C)
     log_r = log_ratio
     words = {"r": "π_θ/π_old per token"}
