@@ -800,9 +800,8 @@ def draw(stream, a: Args, state: dict) -> tuple[list[dict], str]:
     return [next(stream) for _ in range(a.prompts_per_step)], f"B = {a.prompts_per_step} prompts q a step"
 
 def rollout(model, tok, stream, reward_fns, pool, a: Args, state, sampler=None, rank=0, world=1, tools=None):
-    """A step's groups: in rounds, this rank's share of B prompts (draw), G_s samples each and G_t teacher
-    completions, scored; the groups to train chosen from every rank's (select_groups). Returns this rank's
-    groups to train (in sampling order), the step's metrics and every group sampled."""
+    """In rounds: this rank's share of B prompts, G_s samples, G_t teacher completions each, scored; those to
+    train chosen from every rank's -> this rank's to train (in sampling order), metrics, all sampled."""
     G_s = a.num_generations
     generated = []
     stats = {"time/generate": 0.0, "time/reward": 0.0}
