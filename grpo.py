@@ -950,15 +950,13 @@ def gather_step(batch: dict, pad: float = 0.0) -> tuple[dict, torch.Tensor]:
 
 # ----------------------------------------------------------------------------- advantage and loss mask
 def group_advantages(rewards: torch.Tensor, scale: str = "std", eps: float = 1e-6):
-    """rewards (B, G) -> adv (B, G) and --dry-run's words. GRPO (2402.03300) §4.1.2: (R - mean) / (std
-    + eps), std unbiased (torch's default, as TRL and verl). scale='none', Dr. GRPO (2503.20783) §3.1:
-    R - mean. scale='batch', Lite PPO (2508.08221): the group's mean, the step's std (TRL's "batch")."""
+    """rewards (B, G) -> adv (B, G) and --dry-run's words."""
     adv = rewards - rewards.mean(1, keepdim=True)
-    if scale == "std":
+    if scale == "std":  # GRPO (2402.03300) §4.1.2; std unbiased (torch's default, as TRL and verl)
         return adv / (rewards.std(1, keepdim=True) + eps), f"(R_i - mean_g(R)) / (std_g(R) + {eps:g})"
-    if scale == "batch":
+    if scale == "batch":  # Lite PPO (2508.08221): the group's mean, the step's std (TRL's "batch")
         return adv / (rewards.std() + eps), f"(R_i - mean_g(R)) / (std(R) + {eps:g})"
-    return adv, "R_i - mean_g(R)"
+    return adv, "R_i - mean_g(R)"  # scale='none', Dr. GRPO (2503.20783) §3.1
 
 def quantile(x: torch.Tensor, q: float) -> torch.Tensor:  # torch.quantile's linear rule; it refuses over 2^24
     ranked = x.flatten().sort().values
