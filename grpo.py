@@ -964,9 +964,8 @@ def quantile(x: torch.Tensor, q: float) -> torch.Tensor:  # torch.quantile's lin
     return torch.lerp(ranked[at.long()], ranked[at.ceil().long()], at - at.long())
 
 def soft_weights(stds: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Dr. GRPO+ soft reweighting: w_g = std_g / (max_g' std_g' + eps), the max over the step's groups. No
-    paper: a soft form of RAGEN's hard variance filter (2504.20073 §4), which keeps only the top-k groups."""
-    return stds / (stds.max() + eps)
+    """Dr. GRPO+ soft reweighting, no paper: RAGEN's top-k variance filter (2504.20073 §4), made soft."""
+    return stds / (stds.max() + eps)  # w_g = std_g / (max_g' std_g' + eps), the max over the step's groups
 
 def step_terms(s: dict, a: Args, state: dict):
     """Every rank's rows of the step as one process has them (a statistic, as quantile, sees them all), G a
