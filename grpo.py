@@ -627,9 +627,8 @@ def tool_turn(tok, eos: list[int], calls: list[dict], room: int) -> list[int]:
     return full[end:end + room]
 
 def load_tools(a: Args, tok) -> dict:
-    """--tools: their JSON schemas (transformers' get_json_schema, from type hints and docstrings, as TRL's),
-    and the process their calls run in (TOOL_WORKER). A file that does not load: one line, at start-up."""
-    from transformers.utils import get_json_schema
+    """--tools: their JSON schemas and the process their calls run in (TOOL_WORKER)."""
+    from transformers.utils import get_json_schema  # from type hints and docstrings, as TRL's
     path, names = split_path(a.tools)
     if a.tools == "calculator":  # the built-in, rewards.py's
         path, names = inspect.getfile(calculator), ":calculator"
@@ -638,7 +637,7 @@ def load_tools(a: Args, tok) -> dict:
         public = [k for k, v in found.items() if inspect.isfunction(v) and v.__module__ == "<run_path>"]
         chosen = names[1:].split(",") if names else [k for k in public if not k.startswith("_")]
         schemas = [get_json_schema(found[k]) for k in chosen]
-    except (Exception, SystemExit) as e:
+    except (Exception, SystemExit) as e:  # a file that does not load: one line, at start-up
         fail(f"--tools {a.tools!r}: {type(e).__name__}: {e}")
     shown = chat_prompt(tok, "", "", {"schemas": schemas})
     if not schemas or not all(s["function"]["name"] in shown for s in schemas):
