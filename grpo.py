@@ -893,8 +893,7 @@ def collate(groups: list[dict], pad_id: int, device) -> dict:
 
 # ----------------------------------------------------------------------------- log-probs: the step's inputs
 def token_logps(model, input_ids, attention_mask, n_completion: int, temperature: float = 1.0):
-    """Log-probs and entropy (N, C) of the last C tokens from one forward, both with gradient. The output
-    layer runs on chunks of 2^24 / V tokens, recomputed in backward: no (N, C, V) logits held."""
+    """Log-probs and entropy (N, C) of the last C tokens from one forward, both with gradient."""
     pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
                                  use_cache=False).last_hidden_state[:, -n_completion - 1:-1]  # (N, C, H)
@@ -906,7 +905,7 @@ def token_logps(model, input_ids, attention_mask, n_completion: int, temperature
         lse = logits.logsumexp(-1)
         entropy = lse - (logits.softmax(-1) * logits).sum(-1)  # from the same logits: no extra pass
         return logits.gather(-1, tgt[:, None])[:, 0] - lse, entropy
-    n = max(1, 2 ** 24 // head.weight.shape[0])  # tokens a chunk
+    n = max(1, 2 ** 24 // head.weight.shape[0])  # tokens a chunk, recomputed in backward: no (N, C, V) logits
     pieces = [checkpoint(chunk, h, t, use_reentrant=False) for h, t in zip(hidden.split(n), targets.split(n))]
     logp, entropy = zip(*pieces)
     return torch.cat(logp).view(len(input_ids), -1), torch.cat(entropy).view(len(input_ids), -1)
