@@ -532,8 +532,7 @@ def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False
     return prompts, comps, truncated, logps, tool_masks, calls
 
 def model_text(tok, comps: list[torch.Tensor], tool_masks: list[torch.Tensor]) -> list[str]:
-    """What the model wrote, the text rewards and accuracy grade: its tokens, not a tool's (a result's last
-    number is not the model's answer). The calls and their results reach a reward as `tool_calls`."""
+    """What rewards and accuracy grade: the model's tokens, not a tool's (its last number is no answer)."""
     return tok.batch_decode([c[m > 0] for c, m in zip(comps, tool_masks)], skip_special_tokens=True)
 
 def sample(model, tok, held: list[torch.Tensor], new_tokens: int, a: Args, greedy=False, sampler=None):
