@@ -469,18 +469,16 @@ def make_optimizer(a: Args, model):
     return optimizer(params, lr=a.learning_rate, weight_decay=a.weight_decay)
 
 # ----------------------------------------------------------------------------- generate
-# A step, as main runs it: at_step (the flags this step) -> rollout: draw B prompts, generate G_s completions
-# a prompt (and G_t from the pool), score, select_groups -> train_step: prepare (collate this rank's rows; the
-# inputs the terms read, step_inputs, found by probe running them on made-up numbers; gather_step: every
-# rank's rows as one process has them, `mine` this rank's among them; step_terms: R, A, the loss mask) ->
-# per micro-batch token_objective, aggregate_loss, backward -> the gradient summed over ranks -> the update.
-# A term reads an input by name (b["ref_logp"]: step_inputs computes it); its memory is the run's state.
+# A step: at_step (this step's flags) -> rollout: draw B prompts, generate G_s completions each (and G_t from
+# the pool), score, select_groups -> train_step: prepare (collate this rank's rows; step_inputs: what probe
+# finds the terms read; gather_step: every rank's rows as one process has them, `mine` this rank's;
+# step_terms: R, A, the loss mask) -> per micro-batch token_objective, aggregate_loss, backward -> the
+# gradient summed over ranks -> the update. A term reads an input by name (b["ref_logp"]); its memory: state.
 def at_step(a: Args, state: dict, step: int) -> Args:
-    """The flags as step `step` uses them: the sampler, rewards, terms, optimizer and evaluation read this
-    copy, so each sees the same value by construction. state: the run's memory, saved in each checkpoint and
-    restored by --resume: step, max_steps (the first run's: --resume --max-steps N moves no schedule),
-    prompts_drawn and scored (draw), what a term keeps (step_terms: kl_in_reward). FORKER: a schedule of the
-    temperature, top-p, top-k, T (up to --max-new-tokens) or a coefficient is a line here, as the lr's."""
+    """The flags step `step` uses: the sampler, rewards, terms, optimizer and evaluation read this copy, one
+    value for all. state: the run's memory, saved for --resume: step, max_steps (the first run's: --max-steps
+    N then moves no schedule), prompts_drawn and scored (draw), a term's (step_terms' kl_in_reward). FORKER: a
+    schedule of temperature, top-p, top-k, T (<= --max-new-tokens) or a coefficient: a line here, as lr's."""
     state["step"] = step
     t = dataclasses.replace(a)
     t.learning_rate = a.learning_rate * min(1, step / max(1, a.warmup_steps))  # linear warm-up, then constant
@@ -502,10 +500,9 @@ def completion_mask(ids: torch.Tensor, eos_ids) -> torch.Tensor:
     return torch.arange(ids.shape[1], device=ids.device)[None] <= first[:, None]
 
 def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False, sampler=None, tools=None):
-    """n completions a prompt, drawn until EOS or T tokens; with --tools a turn that ends in calls gets their
-    results (tool_turn) and draws on, T tokens in all. -> prompt ids, completions, truncated (not ended by
-    the model's EOS), the sampler's log-probs (NaN: a tool's, or greedy), tool masks (0: a tool's token) and
-    the calls."""
+    """n completions a prompt, to EOS or T tokens; --tools: a turn that ends in calls gets their results
+    (tool_turn) and draws on, T tokens in all. -> prompt ids, completions, truncated (not ended by the model's
+    EOS), the sampler's log-probs (NaN: a tool's, or greedy), tool masks (0: a tool's token), the calls."""
     eos = model.generation_config.eos_token_id
     prompts = [torch.tensor(ids) for ids in tok(texts, add_special_tokens=not tok.chat_template).input_ids]
     pieces = [[] for _ in range(len(texts) * n)]  # a row's (tokens, sampler log-probs, tool mask), in order
@@ -535,8 +532,7 @@ def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False
     return prompts, comps, truncated, logps, tool_masks, calls
 
 def model_text(tok, comps: list[torch.Tensor], tool_masks: list[torch.Tensor]) -> list[str]:
-    """What the model wrote, the text rewards and accuracy grade: its tokens, not a tool's (a result's last
-    number is not the model's answer). The calls and their results reach a reward as `tool_calls`."""
+    """What rewards and accuracy grade: the model's tokens, not a tool's (its last number is no answer)."""
     return tok.batch_decode([c[m > 0] for c, m in zip(comps, tool_masks)], skip_special_tokens=True)
 
 def sample(model, tok, held: list[torch.Tensor], new_tokens: int, a: Args, greedy=False, sampler=None):
@@ -630,9 +626,8 @@ def tool_turn(tok, eos: list[int], calls: list[dict], room: int) -> list[int]:
     return full[end:end + room]
 
 def load_tools(a: Args, tok) -> dict:
-    """--tools: their JSON schemas (transformers' get_json_schema, from type hints and docstrings, as TRL's),
-    and the process their calls run in (TOOL_WORKER). A file that does not load: one line, at start-up."""
-    from transformers.utils import get_json_schema
+    """--tools: their JSON schemas and the process their calls run in (TOOL_WORKER)."""
+    from transformers.utils import get_json_schema  # from type hints and docstrings, as TRL's
     path, names = split_path(a.tools)
     if a.tools == "calculator":  # the built-in, rewards.py's
         path, names = inspect.getfile(calculator), ":calculator"
@@ -641,7 +636,7 @@ def load_tools(a: Args, tok) -> dict:
         public = [k for k, v in found.items() if inspect.isfunction(v) and v.__module__ == "<run_path>"]
         chosen = names[1:].split(",") if names else [k for k in public if not k.startswith("_")]
         schemas = [get_json_schema(found[k]) for k in chosen]
-    except (Exception, SystemExit) as e:
+    except (Exception, SystemExit) as e:  # a file that does not load: one line, at start-up
         fail(f"--tools {a.tools!r}: {type(e).__name__}: {e}")
     shown = chat_prompt(tok, "", "", {"schemas": schemas})
     if not schemas or not all(s["function"]["name"] in shown for s in schemas):
@@ -729,9 +724,8 @@ def build_rewards(a: Args) -> list[tuple[str, object, float]]:
     return fns
 
 def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns, a: Args, calls=None):
-    """Rewards (n,), each function's values, and the words --dry-run shows for what is added. A function gets
-    the completion, the answer and, as keywords, the example's other fields (as TRL's) and reward_keywords;
-    one that raises or gives no number stops the run."""
+    """Rewards (n,), each function's values, and --dry-run's words for what is added. A function gets the
+    completion, the answer and, as keywords, the example's other fields (as TRL's) and reward_keywords."""
     total = torch.zeros(len(texts))
     per_fn = {}
     for name, fn, weight in reward_fns:
@@ -766,20 +760,18 @@ def equal(rewards: torch.Tensor) -> torch.Tensor:  # (n, G) -> (n,): the groups 
     return rewards.max(-1).values == rewards.min(-1).values
 
 def select_groups(rewards: torch.Tensor, a: Args) -> tuple[torch.Tensor, bool, str]:
-    """rewards (n, G): every rank's groups so far, in sampling order -> the indices of those to train, whether
-    B were found, and --dry-run's words. Dynamic sampling (DAPO §3.2) keeps groups whose rewards differ, and
-    rollout samples again until B are kept or max_gen_rounds; then the first B. FORKER: a filter before
-    `enough` is refilled by sampling again; one after it leaves fewer groups to train."""
+    """rewards (n, G): every rank's groups so far -> the indices of those to train, whether B were found and
+    --dry-run's words. FORKER: a filter before `enough` is refilled by sampling again; one after it is not."""
     big = a.max_new_tokens * rewards.double().abs().sum() ** 2  # bounds every float32 sum the advantages
     if not big < torch.finfo(torch.float32).max:  # take: group means, squares, rpp's whitening over tokens
         fail(f"rewards up to {rewards.abs().max():.3g} overflow float32 in the advantages' sums (T (Σ|R|)² "
              f"over 3.4e38): scale them")
     keep = torch.arange(len(rewards))
     words = "all"
-    if a.dynamic_sampling:
+    if a.dynamic_sampling:  # DAPO §3.2: the groups whose rewards differ
         keep = keep[~equal(rewards)]
         words = f"dynamic sampling (≤{a.max_gen_rounds} rounds)"
-    enough = len(keep) >= a.prompts_per_step
+    enough = len(keep) >= a.prompts_per_step  # else rollout samples again, till B or max_gen_rounds
     keep = keep[:a.prompts_per_step]  # the first B kept, in the order one process samples them
     if a.top_k_groups:  # the hard variance filter (RAGEN, 2504.20073 §4): the k groups of largest std
         by_std = torch.argsort(rewards[keep].std(1), descending=True, stable=True)
@@ -787,8 +779,7 @@ def select_groups(rewards: torch.Tensor, a: Args) -> tuple[torch.Tensor, bool, s
         words += f", then the top-{a.top_k_groups} by std"
     return keep, enough, words
 
-# Several processes (torchrun): each rank samples whole groups; these two carry what the ranks share.
-def all_sum(x: torch.Tensor) -> torch.Tensor:
+def all_sum(x: torch.Tensor) -> torch.Tensor:  # torchrun: this and all_gather carry what the ranks share
     if dist.is_initialized():
         dist.all_reduce(x)
     return x
@@ -801,16 +792,14 @@ def all_gather(obj) -> list:  # [every rank's obj]
     return out
 
 def draw(stream, a: Args, state: dict) -> tuple[list[dict], str]:
-    """A round's B prompts (every rank's) and --dry-run's words; state["prompts_drawn"] counts what the stream
-    gave, for --resume. FORKER: a filter on what is drawn (a curriculum) skips examples here; state["scored"]
-    holds the groups scored since the last draw, every rank's, [(prompt, rewards)]."""
-    state["prompts_drawn"] += a.prompts_per_step
+    """A round's B prompts (every rank's), --dry-run's words. FORKER: a filter on what is drawn (a curriculum)
+    skips examples here; state["scored"]: every rank's groups scored since the last draw, [(prompt, R)]."""
+    state["prompts_drawn"] += a.prompts_per_step  # what the stream gave, for --resume
     return [next(stream) for _ in range(a.prompts_per_step)], f"B = {a.prompts_per_step} prompts q a step"
 
 def rollout(model, tok, stream, reward_fns, pool, a: Args, state, sampler=None, rank=0, world=1, tools=None):
-    """A step's groups: in rounds, this rank's share of B prompts (draw), G_s samples each and G_t teacher
-    completions, scored; the groups to train chosen from every rank's (select_groups). Returns this rank's
-    groups to train (in sampling order), the step's metrics and every group sampled."""
+    """In rounds: this rank's share of B prompts, G_s samples, G_t teacher completions each, scored; those to
+    train chosen from every rank's -> this rank's to train (in sampling order), metrics, all sampled."""
     G_s = a.num_generations
     generated = []
     stats = {"time/generate": 0.0, "time/reward": 0.0}
@@ -903,8 +892,7 @@ def collate(groups: list[dict], pad_id: int, device) -> dict:
 
 # ----------------------------------------------------------------------------- log-probs: the step's inputs
 def token_logps(model, input_ids, attention_mask, n_completion: int, temperature: float = 1.0):
-    """Log-probs and entropy (N, C) of the last C tokens from one forward, both with gradient. The output
-    layer runs on chunks of 2^24 / V tokens, recomputed in backward: no (N, C, V) logits held."""
+    """Log-probs and entropy (N, C) of the last C tokens from one forward, both with gradient."""
     pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
                                  use_cache=False).last_hidden_state[:, -n_completion - 1:-1]  # (N, C, H)
@@ -916,7 +904,7 @@ def token_logps(model, input_ids, attention_mask, n_completion: int, temperature
         lse = logits.logsumexp(-1)
         entropy = lse - (logits.softmax(-1) * logits).sum(-1)  # from the same logits: no extra pass
         return logits.gather(-1, tgt[:, None])[:, 0] - lse, entropy
-    n = max(1, 2 ** 24 // head.weight.shape[0])  # tokens a chunk
+    n = max(1, 2 ** 24 // head.weight.shape[0])  # tokens a chunk, recomputed in backward: no (N, C, V) logits
     pieces = [checkpoint(chunk, h, t, use_reentrant=False) for h, t in zip(hidden.split(n), targets.split(n))]
     logp, entropy = zip(*pieces)
     return torch.cat(logp).view(len(input_ids), -1), torch.cat(entropy).view(len(input_ids), -1)
@@ -927,28 +915,25 @@ def policy_logps(model, batch: dict, idx: list[int], a: Args):  # -> logp, entro
         return token_logps(model, batch["input_ids"][idx], batch["attention_mask"][idx], C, a.temperature)
 
 def step_inputs(model, ref_model, batch: dict, names: set, a: Args):
-    """batch[name] (N, C) for each step input a term reads (probe), without grad, in micro-batches:
-    old_logp and old_entropy by the policy before the step's first update, ref_logp by the reference: the
-    policy with its LoRA adapter off (no second copy), or full fine-tuning's frozen copy. FORKER: another
-    input (a second reference, a value head's output) is a branch here; a term then reads it by its name."""
+    """batch[name] (N, C) for each step input a term reads (probe), in micro-batches. FORKER: another input (a
+    second reference, a value head's output) is a branch here; a term then reads it by its name."""
     N = len(batch["mask"])
     chunks = [list(range(i, min(i + a.micro_batch_size, N))) for i in range(0, N, a.micro_batch_size)]
     with torch.no_grad():
-        if names & {"old_logp", "old_entropy"}:
+        if names & {"old_logp", "old_entropy"}:  # by the policy before the step's first update
             batch["old_logp"] = torch.empty_like(batch["mask"])
             batch["old_entropy"] = torch.empty_like(batch["mask"])
             for idx in chunks:
                 batch["old_logp"][idx], batch["old_entropy"][idx] = policy_logps(model, batch, idx, a)
-        if "ref_logp" in names:
+        if "ref_logp" in names:  # the reference: the policy with LoRA off, or full fine-tuning's frozen copy
             batch["ref_logp"] = torch.empty_like(batch["mask"])
-            with model.disable_adapter() if ref_model is None else nullcontext():
+            with model.disable_adapter() if ref_model is None else nullcontext():  # (no second copy)
                 for idx in chunks:
                     batch["ref_logp"][idx] = policy_logps(ref_model or model, batch, idx, a)[0]
 
 def gather_step(batch: dict, pad: float = 0.0) -> tuple[dict, torch.Tensor]:
-    """Every rank's rows of the step (all but the token ids), on the CPU, in sampling order as one process has
-    them, (n, C) padded with `pad` to the longest (all pad where a rank lacks the key); and where this rank's
-    rows are among them."""
+    """Every rank's rows (not the token ids) on the CPU, in sampling order as one process has them, (n, C)
+    padded with `pad` to the longest (all pad for a key a rank lacks); where this rank's are among them."""
     mine = {k: v.cpu() for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
     every = all_gather(mine)
     def widen(k, part):  # (n, C_rank) -> (n, C), C the longest
@@ -963,15 +948,13 @@ def gather_step(batch: dict, pad: float = 0.0) -> tuple[dict, torch.Tensor]:
 
 # ----------------------------------------------------------------------------- advantage and loss mask
 def group_advantages(rewards: torch.Tensor, scale: str = "std", eps: float = 1e-6):
-    """rewards (B, G) -> adv (B, G) and --dry-run's words. GRPO (2402.03300) §4.1.2: (R - mean) / (std
-    + eps), std unbiased (torch's default, as TRL and verl). scale='none', Dr. GRPO (2503.20783) §3.1:
-    R - mean. scale='batch', Lite PPO (2508.08221): the group's mean, the step's std (TRL's "batch")."""
+    """rewards (B, G) -> adv (B, G) and --dry-run's words."""
     adv = rewards - rewards.mean(1, keepdim=True)
-    if scale == "std":
+    if scale == "std":  # GRPO (2402.03300) §4.1.2; std unbiased (torch's default, as TRL and verl)
         return adv / (rewards.std(1, keepdim=True) + eps), f"(R_i - mean_g(R)) / (std_g(R) + {eps:g})"
-    if scale == "batch":
+    if scale == "batch":  # Lite PPO (2508.08221): the group's mean, the step's std (TRL's "batch")
         return adv / (rewards.std() + eps), f"(R_i - mean_g(R)) / (std(R) + {eps:g})"
-    return adv, "R_i - mean_g(R)"
+    return adv, "R_i - mean_g(R)"  # scale='none', Dr. GRPO (2503.20783) §3.1
 
 def quantile(x: torch.Tensor, q: float) -> torch.Tensor:  # torch.quantile's linear rule; it refuses over 2^24
     ranked = x.flatten().sort().values
@@ -979,18 +962,16 @@ def quantile(x: torch.Tensor, q: float) -> torch.Tensor:  # torch.quantile's lin
     return torch.lerp(ranked[at.long()], ranked[at.ceil().long()], at - at.long())
 
 def soft_weights(stds: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """Dr. GRPO+ soft reweighting: w_g = std_g / (max_g' std_g' + eps), the max over the step's groups. No
-    paper: a soft form of RAGEN's hard variance filter (2504.20073 §4), which keeps only the top-k groups."""
-    return stds / (stds.max() + eps)
+    """Dr. GRPO+ soft reweighting, no paper: RAGEN's top-k variance filter (2504.20073 §4), made soft."""
+    return stds / (stds.max() + eps)  # w_g = std_g / (max_g' std_g' + eps), the max over the step's groups
 
 def step_terms(s: dict, a: Args, state: dict):
-    """The step as one process sees it: every rank's rows in sampling order, G a group. s: rewards R (M,), the
-    completion mask (M, C), truncated, is_teacher, per_fn, sampler_logp, the step inputs a term reads; state:
-    the run's (at_step), where a term keeps a value across steps. Returns what token_objective reads by name,
-    (M, 1) or (M, C): adv (A_i, or per token), row_adv (A_i), loss_mask, keep (the tokens the policy loss and
-    the entropy bonus act on), flat (a row of an equal-reward group: A = 0); metrics; --dry-run's words.
-    FORKER: a reward-, advantage- or mask-level term, or a token set or weight (a name returned), is a line
-    here and its words the next; a statistic over the step (quantile) sees every rank's rows."""
+    """Every rank's rows of the step as one process has them (a statistic, as quantile, sees them all), G a
+    group. s: collate's tensors (reward (M,), mask (M, C), ...) and the step inputs a term reads; state: the
+    run's (at_step), a term's memory across steps. -> what token_objective reads by name, (M, 1) or (M, C):
+    adv (A_i, or per token), row_adv (A_i), loss_mask, keep (the policy loss's and entropy bonus's tokens),
+    flat (A = 0: a row of an equal-reward group); metrics; --dry-run's words. FORKER: a reward-, advantage- or
+    mask-level term, or a token set or weight (a name returned), is a line here, its words the next."""
     R, mask, stats, G = s["reward"], s["mask"], {}, group_size(a)
     words = {"R": "", "m": "1 up to and including the first EOS"}
     if a.tools:  # collate's mask: 0 on a tool's tokens, so no term, normaliser or |o_i| counts them
@@ -1046,10 +1027,9 @@ def step_terms(s: dict, a: Args, state: dict):
 
 # ----------------------------------------------------------------------------- the token loss
 def policy_loss(logp, old_logp, adv, mask, a: Args):
-    """Per-token policy loss (N, C), or gmpo's (N, 1), its paper beside each choice; adv (N, 1), or (N, C).
-    Diagnostics (N, C) by name: the ratio, where it left [1 - eps_low, 1 + eps_high] on the side that matters
-    (below with A < 0, above with A > 0), where dual-clip bound; --dry-run's words. With old_logp =
-    logp.detach() (r = 1) every choice's gradient is -A grad log pi (clip_cov's: none at its drawn tokens)."""
+    """Per-token policy loss (N, C), or gmpo's (N, 1), a paper beside each choice; adv (N, 1), or (N, C).
+    Diagnostics (N, C) by name (the ratio, where clipped on A's side, ...), --dry-run's words. With old_logp =
+    logp.detach() (r = 1) each choice's gradient is -A grad log pi (clip_cov's: 0 at tokens it drew)."""
     log_ratio = torch.where(mask != 0, logp - old_logp, 0)  # (N, C)
     log_r = log_ratio
     words = {"r": "π_θ/π_old per token"}
@@ -1092,9 +1072,8 @@ def policy_loss(logp, old_logp, adv, mask, a: Args):
     return loss, diag, words
 
 def cov_loss(ratio, clipped, log_ratio, logp, adv, mask, a: Args):
-    """Clip-Cov and KL-Cov (2505.22617 §4.3), as verl's, over a micro-batch's tokens: per token, cov =
-    (A - mean A)(log pi - mean log pi), and n = max(1, cov_ratio x tokens) are selected; the loss, the tokens
-    selected (N, C) and its words (which say what each does with them)."""
+    """Clip-Cov and KL-Cov (2505.22617 §4.3), as verl's, on a micro-batch's tokens -> the loss, the n =
+    max(1, cov_ratio x tokens) selected by cov(A, log pi) (N, C), its words (what each does with them)."""
     m = mask != 0
     cov = (adv - adv.expand_as(logp)[m].mean()) * (logp - logp[m].mean()).detach()  # (N, C)
     n = max(1, int(a.cov_ratio * m.sum()))
@@ -1116,9 +1095,8 @@ def kl_penalty(logp, ref_logp, kind: str = "k3", old_logp=None):
                 (1 - ref/pi) grad log pi has the mean grad KL(ref || pi), the reverse direction
       k3_ratio  k3 · pi / pi_old, the policy loss's ratio (DeepSeek-V3.2, 2512.02556; TRL's
                 use_bias_correction_kl): its gradient -(pi / pi_old) d grad log pi has the mean
-                grad KL(pi || ref) under samples of pi_old.
-                Written so (k3's value, -d's gradient): differentiating k3 · ratio as is would cancel
-                (1 - e^d) + (e^d - d - 1) in floating point, which loses all of -d past |d| ~ 20 in fp32
+                grad KL(pi || ref) under pi_old's samples. Written so (k3's value, -d's gradient): as is,
+                its gradient's (1 - e^d) + (e^d - d - 1) cancels in fp32, losing all of -d past |d| ~ 20
       k2        d^2 / 2: gradient -d grad log pi, whose mean is grad KL(pi || ref)"""
     d = ref_logp - logp
     if kind == "k2":
@@ -1129,11 +1107,9 @@ def kl_penalty(logp, ref_logp, kind: str = "k3", old_logp=None):
     ratio = torch.exp(logp.detach() - (logp.detach() if old_logp is None else old_logp))
     return ratio * (k3.detach() - d.detach() * (logp - logp.detach()))
 
-
 def aggregate_loss(loss, mask, mode: str, max_len: int, n_seqs=None, n_tokens=None):
-    """Token losses (N, C) -> scalar, with verl's names, and --dry-run's words. n_seqs / n_tokens: the
-    normalisers of the WHOLE step (every micro-batch and rank; default: this batch's); a sequence with no loss
-    token counts in neither."""
+    """Token losses (N, C) -> scalar (verl's names), --dry-run's words. n_seqs, n_tokens: the WHOLE step's
+    normalisers (over micro-batches, ranks; None: this batch's); a row with no loss token is in neither."""
     n_seqs = (mask.sum(-1) > 0).sum() if n_seqs is None else n_seqs
     n_tokens = mask.sum() if n_tokens is None else n_tokens
     per_seq = torch.where(mask != 0, loss * mask, 0).sum(-1)  # (N,); a NaN or inf past EOS must not leak in
@@ -1148,10 +1124,9 @@ def aggregate_loss(loss, mask, mode: str, max_len: int, n_seqs=None, n_tokens=No
 
 def token_objective(logp, entropy, b: dict, a: Args):
     """A micro-batch's per-token loss ℓ (N, C) before aggregation, its terms in --dry-run's order, each
-    beside its words; diagnostics (N, C) by name, logged as means over the trained tokens where finite.
-    logp, entropy (N, C): the policy's, with gradient; b: the micro-batch's rows, step_terms' tensors (adv,
-    loss_mask, keep), sampler_logp and the step inputs a term reads (step_inputs computes them for it).
-    FORKER: a new term or token weight is a line here and its words the next; a metric, a line in `diag`."""
+    beside its words; diagnostics (N, C) by name. logp, entropy (N, C): the policy's, with gradient; b: the
+    micro-batch's rows (step_terms' adv, loss_mask, keep; sampler_logp; the step inputs a term reads). FORKER:
+    a new term or token weight is a line here, its words the next; a metric, a line in `diag`."""
     mask = b["loss_mask"]
     old_logp = logp.detach()  # one update a step: ratio 1, no extra forward
     words = {"π_old": "sg(π_θ): one update a step, so r = 1"}
@@ -1160,9 +1135,8 @@ def token_objective(logp, entropy, b: dict, a: Args):
         words["π_old"] = f"π_θ before the first of {a.num_iterations} updates on the step's rows"
     loss, diag, more = policy_loss(logp, old_logp, b["adv"], mask, a)  # the surrogate
     words.update(more)
-    # the sampler's own log-probs (NaN on teacher rows): their gap to the trainer's is its health check
-    known = (mask > 0) & b["sampler_logp"].isfinite()
-    diag["sampler/logp_gap"] = torch.where(known, (old_logp - b["sampler_logp"]).abs(), math.nan)
+    known = (mask > 0) & b["sampler_logp"].isfinite()  # the sampler's own log-probs: NaN on teacher rows
+    diag["sampler/logp_gap"] = (old_logp - b["sampler_logp"]).abs().where(known, math.nan)  # health check
     if a.opsm_delta < math.inf:  # off-policy sequence masking: DeepSeek-V3.2 (2512.02556) eq. 9, as TRL's
         drift = torch.where(known, b["sampler_logp"], old_logp) - logp.detach()  # teacher rows: π_old
         drift = torch.where(mask > 0, drift, 0).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True)
@@ -1194,10 +1168,9 @@ def token_objective(logp, entropy, b: dict, a: Args):
 
 # ----------------------------------------------------------------------------- the step
 def probe(a: Args):
-    """The step's terms on made-up numbers (a group of G rows of 3 tokens, equal rewards), no model: the
-    step inputs they read (computed for a step then, and only then), whether the rows step_terms flags
-    A = 0 are skipped (--skip-zero-variance, and ∇ℓ = 0 where A = 0: skipping them changes nothing), and
-    the words each term wrote for --dry-run, with what becomes of an equal-reward group."""
+    """The step's terms on made-up numbers, no model: the step inputs they read (a step computes these, and
+    only these); each term's --dry-run words; what becomes of an equal-reward group: whether the rows
+    step_terms flags A = 0 are skipped (--skip-zero-variance, and ∇ℓ = 0 there: skipping is a no-op)."""
     G = group_size(a)
     gen = torch.Generator().manual_seed(0)
     def made_up():  # (G, 3) log-probs: any step input a term reads
@@ -1221,16 +1194,15 @@ def probe(a: Args):
     return set(step) - set(rows) - set(made), skip, {**words, **more}
 
 def prepare(model, ref_model, groups: list[dict], a: Args, state: dict | None):
-    """The step before its first update: this rank's rows collated, with the inputs its terms read;
-    step_terms on every rank's rows; this rank's share of its tensors (adv, loss_mask, ...; A_i also in its
-    groups, for samples.jsonl) and rows to train (an equal-reward group only where skipping it changes
-    nothing); the step's normalisers."""
+    """Before the step's first update: this rank's rows collated, with its terms' inputs; step_terms on every
+    rank's rows; this rank's share of its tensors (adv, loss_mask, ...; A_i also in groups, for samples.jsonl)
+    and rows to train (an equal-reward group only if skipping it changes nothing); the step's normalisers."""
     device = next(model.parameters()).device
     batch = collate(groups, model.generation_config.pad_token_id, device)
     reads, skip_flat, _ = probe(a)
     step_inputs(model, ref_model, batch, reads, a)
     s, mine = gather_step(batch)
-    made, stats, _ = step_terms(s, a, {} if state is None else state)
+    made, stats, _ = step_terms(s, a, {} if state is None else state)  # None: a step on its own
     mask = made["loss_mask"]  # every rank's
     n_seqs, n_tokens = torch.stack([(mask.sum(-1) > 0).sum().float(), mask.sum()]).tolist()
     batch.update({k: v[mine, :batch["mask"].shape[1]].to(device) for k, v in made.items()})
@@ -1240,9 +1212,8 @@ def prepare(model, ref_model, groups: list[dict], a: Args, state: dict | None):
     return batch, trained.nonzero()[:, 0].tolist(), n_seqs, n_tokens, stats
 
 def train_step(model, ref_model, opt, groups: list[dict], a: Args, state: dict | None = None) -> dict:
-    """num_iterations optimizer steps on a step's groups (prepare): micro-batches, backward (--split-grads:
-    student and teacher rows apart), the gradient summed over ranks. Metrics: the step stage's, and all ranks'
-    trained rows in the last update. state: the run's (at_step); None: a step on its own."""
+    """num_iterations optimizer steps on a step's groups, in micro-batches (--split-grads: student and teacher
+    rows apart). Metrics: the step stage's, all ranks' trained rows in the last update. state: at_step's."""
     params = [p for p in model.parameters() if p.requires_grad]
     batch, rows, n_seqs, n_tokens, stats = prepare(model, ref_model, groups, a, state)
     chunks = [rows[i:i + a.micro_batch_size] for i in range(0, len(rows), a.micro_batch_size)]
@@ -1288,23 +1259,21 @@ def train_step(model, ref_model, opt, groups: list[dict], a: Args, state: dict |
     return {**stats, **out, "loss": total["loss"], "train/rows": total["train/rows"]}
 
 def step_stats(d: dict) -> dict:
-    """The step's statistics but the means (train_step's), over every rank's trained tokens as one process
-    has them: d[name] (M, C), a diagnostic of token_objective, NaN where it is not defined. FORKER: another
-    statistic of one (a quantile, a covariance, a max) is a line here."""
-    out = {}
+    """The step's statistics but the means (train_step's), over every rank's trained tokens as one process has
+    them: d[name] (M, C), a diagnostic of token_objective, NaN where it is not defined."""
+    out = {}  # FORKER: another statistic of one (a quantile, a covariance, a max) is a line here
     gap = d.get("sampler/logp_gap", torch.tensor([math.nan]))
     if gap.isfinite().any():  # the sampler's health check at its worst token
         out["sampler/logp_gap_max"] = gap[gap.isfinite()].max().item()
     return out
 
 def edit_source_grads(grads: dict, params: list, a: Args) -> tuple[dict, str]:
-    """--split-grads: the student and teacher gradients g_s, g_t, summed over micro-batches and ranks, before
-    clipping and the step; .grad = g_s + g_t, the full-batch gradient; its metrics and --dry-run's words (also
-    with no grads). FORKER: project or drop either here."""
+    """--split-grads: g_s, g_t, the student and teacher gradients summed over micro-batches and ranks, before
+    clipping and the step -> .grad = g_s + g_t (the full-batch gradient), metrics, --dry-run's words."""
     words = "; ∇ = g_s + g_t, the student's and the teacher's rows backpropagated apart"
     if not grads:  # none without --split-grads; --dry-run's call
         return {}, words if a.split_grads else ""
-    g_s, g_t = grads["student"], grads["teacher"]
+    g_s, g_t = grads["student"], grads["teacher"]  # FORKER: project or drop either here
     norm_s = torch.sqrt(sum((g * g).sum() for g in g_s))
     norm_t = torch.sqrt(sum((g * g).sum() for g in g_t))
     cos = sum((s * t).sum() for s, t in zip(g_s, g_t)) / (norm_s * norm_t).clamp(min=1e-30)
