@@ -473,7 +473,7 @@ def make_optimizer(a: Args, model):
 # the pool), score, select_groups -> train_step: prepare (collate this rank's rows; step_inputs: what probe
 # finds the terms read; gather_step: every rank's rows as one process has them, `mine` this rank's;
 # step_terms: R, A, the loss mask) -> per micro-batch token_objective, aggregate_loss, backward -> the
-# gradient summed over ranks -> the update. A term reads an input by name (b["ref_logp"]); its memory: state.
+# gradient summed over ranks -> the update. A term reads inputs by name (b["ref_logp"]), its memory in state.
 def at_step(a: Args, state: dict, step: int) -> Args:
     """The flags step `step` uses: the sampler, rewards, terms, optimizer and evaluation read this copy, one
     value for all. state: the run's memory, saved for --resume: step, max_steps (the first run's: --max-steps
@@ -493,9 +493,8 @@ def chat_prompt(tok, prompt: str, system: str, tools: dict | None = None) -> str
     return tok.apply_chat_template(messages, tools=schemas, tokenize=False, add_generation_prompt=True)
 
 def completion_mask(ids: torch.Tensor, eos_ids) -> torch.Tensor:
-    """ids (N, C) -> mask (N, C): 1 up to and including the first EOS, 0 after. By position, never by
-    `ids == pad`: with pad == eos that would drop the EOS, an action to learn."""
-    is_eos = torch.isin(ids, torch.as_tensor(eos_ids, device=ids.device))
+    """ids (N, C) -> mask (N, C): 1 up to and including the first EOS (an action to learn), 0 after."""
+    is_eos = torch.isin(ids, torch.as_tensor(eos_ids, device=ids.device))  # by position: pad may be an EOS
     first = torch.where(is_eos.any(1), is_eos.int().argmax(1), ids.shape[1])  # (N,)
     return torch.arange(ids.shape[1], device=ids.device)[None] <= first[:, None]
 
@@ -536,9 +535,8 @@ def model_text(tok, comps: list[torch.Tensor], tool_masks: list[torch.Tensor]) -
     return tok.batch_decode([c[m > 0] for c, m in zip(comps, tool_masks)], skip_special_tokens=True)
 
 def sample(model, tok, held: list[torch.Tensor], new_tokens: int, a: Args, greedy=False, sampler=None):
-    """A turn of each row: the tokens drawn after what it holds (its prompt, and what it drew and was given
-    since) and their log-probs (NaN when greedy), (N, C) on the CPU. sampler: compile_sampler's one shape."""
-    extra = -len(held) % sampler["rows"] if sampler else 0  # rows added for the one shape, dropped after
+    """A turn of each row: the tokens drawn after what it holds (prompt, draws, results), their log-probs."""
+    extra = -len(held) % sampler["rows"] if sampler else 0  # rows added for compile_sampler's shape, dropped
     enc = tok.pad({"input_ids": held + held[-1:] * extra}, padding="max_length" if sampler else True,
                   max_length=sampler and sampler["prompt_len"], return_tensors="pt").to(model.device)  # left
     steps, last, finite = [], [], []  # one step's (rows, V) log-probs are kept at a time, never (rows, T, V)
@@ -566,7 +564,7 @@ def sample(model, tok, held: list[torch.Tensor], new_tokens: int, a: Args, greed
         steps.append(last.pop().gather(1, out[:, -1:])[:, 0])
     comp = out[:len(held), enc.input_ids.shape[1]:]  # (N, C)
     logp = torch.stack(steps, 1)[:len(comp)] if steps else torch.full(comp.shape, math.nan, device=out.device)
-    return comp.cpu(), logp.cpu()
+    return comp.cpu(), logp.cpu()  # (N, C) each, on the CPU; log-probs NaN when greedy
 
 def longest_prompt(model, tok, a: Args, train, evals, every: bool, tools=None) -> int:  # of those it reads
     room = (getattr(model.config, "max_position_embeddings", None) or math.inf) - a.max_new_tokens
@@ -585,8 +583,8 @@ def longest_prompt(model, tok, a: Args, train, evals, every: bool, tools=None) -
     return longest
 
 def compile_sampler(model, a: Args, prompt_len: int, world: int = 1) -> dict | None:
-    """--compile-generate: one shape for every call (prompts padded to the longest, rows to B / ranks x G,
-    a static KV cache), so the decode step compiles once, reading the weights in place. None for two runs."""
+    """--compile-generate: one shape a call and a static KV cache: the decode step compiles once, reading the
+    weights in place (prompts padded to the longest, rows to B / ranks x G). None for two runs (a note)."""
     from transformers import CompileConfig
     if a.load_in_4bit or a.lora_r == 0 and use_bf16(a, model.device):  # see README, "Design notes"
         print("grpo: note: QLoRA, and full fine-tuning in bf16, sample uncompiled", file=sys.stderr)
@@ -600,15 +598,14 @@ def compile_sampler(model, a: Args, prompt_len: int, world: int = 1) -> dict | N
     return dict(prompt_len=prompt_len, rows=rows, compile_config=config)
 
 def parse_tool_calls(text: str) -> list[dict]:
-    """The calls a turn makes, in Qwen2.5's (Hermes') format, <tool_call>{"name": ..., "arguments": {...}}
-    </tool_call>, one or more; one not so is kept as its text. FORKER: another family's format goes here."""
-    calls = []
+    """The calls a turn makes, in Qwen2.5's (Hermes') format: <tool_call>{"name": ..., "arguments": {...}}"""
+    calls = []  # FORKER: another family's format goes here
     for part in text.split("<tool_call>")[1:]:
         body = part.partition("</tool_call>")[0]
         try:
             call = json.loads(body)
             calls.append({"name": call["name"], "arguments": call["arguments"]})
-        except (ValueError, TypeError, KeyError):  # not JSON, not an object, without either
+        except (ValueError, TypeError, KeyError):  # not JSON, not an object, without either: its text
             calls.append({"name": None, "arguments": body})
     return calls
 
@@ -662,14 +659,13 @@ TOOL_WORKER = r"""if True:  # `python -c`: a fresh interpreter (without torch) i
 """
 
 def run_tool(tools: dict, call: dict) -> dict:
-    """A call, in the tools' process (started again after a crash or a timeout): the call, its result (what
-    the model reads) and "error" if it failed: no such tool, no JSON object, it raised, crashed, timed out."""
+    """A call, run in the tools' process -> it, its result (what the model reads) and "error" if it failed."""
     import atexit  # (imported here: only a run with --tools needs these)
     import select
     import subprocess
     if call["name"] not in tools["names"] or type(call["arguments"]) is not dict:
         return {**call, "result": f"error: call one of {tools['names']} with a JSON object", "error": True}
-    if tools["proc"] is None or tools["proc"].poll() is not None:
+    if tools["proc"] is None or tools["proc"].poll() is not None:  # (again after a crash or a timeout)
         tools["proc"] = subprocess.Popen(tools["argv"], cwd=tools["dir"].name, encoding="utf-8",
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         atexit.register(tools["proc"].kill)  # a run that stops while a tool hangs leaves no process behind
@@ -933,15 +929,13 @@ def step_inputs(model, ref_model, batch: dict, names: set, a: Args):
 
 def gather_step(batch: dict, pad: float = 0.0) -> tuple[dict, torch.Tensor]:
     """Every rank's rows (not the token ids) on the CPU, in sampling order as one process has them, (n, C)
-    padded with `pad` to the longest (all pad for a key a rank lacks); where this rank's are among them."""
+    padded with `pad` to the longest; and where this rank's are among them."""
     mine = {k: v.cpu() for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
     every = all_gather(mine)
-    def widen(k, part):  # (n, C_rank) -> (n, C), C the longest
-        x = part.get(k, torch.full((len(part["order"]), 0), pad))
-        width = max(p[k].shape[-1] for p in every if k in p)
+    def widen(k, x):  # (n, C_rank) -> (n, C), C the longest
+        width = max(part[k].shape[-1] for part in every)
         return torch.nn.functional.pad(x, (0, width - x.shape[-1]), value=pad) if x.dim() == 2 else x
-    keys = dict.fromkeys(k for part in every for k in part)  # in order, every rank's
-    step = {k: torch.cat([widen(k, part) for part in every]) for k in keys}
+    step = {k: torch.cat([widen(k, part[k]) for part in every]) for k in mine}
     order = torch.argsort(step["order"], stable=True)  # a group's rows stay together, in their order
     start = sum(len(part["order"]) for part in every[:dist.get_rank() if dist.is_initialized() else 0])
     return {k: v[order] for k, v in step.items()}, order.argsort()[start:start + len(mine["order"])]
@@ -955,11 +949,6 @@ def group_advantages(rewards: torch.Tensor, scale: str = "std", eps: float = 1e-
     if scale == "batch":  # Lite PPO (2508.08221): the group's mean, the step's std (TRL's "batch")
         return adv / (rewards.std() + eps), f"(R_i - mean_g(R)) / (std(R) + {eps:g})"
     return adv, "R_i - mean_g(R)"  # scale='none', Dr. GRPO (2503.20783) §3.1
-
-def quantile(x: torch.Tensor, q: float) -> torch.Tensor:  # torch.quantile's linear rule; it refuses over 2^24
-    ranked = x.flatten().sort().values
-    at = torch.tensor(q, dtype=x.dtype) * (len(ranked) - 1)
-    return torch.lerp(ranked[at.long()], ranked[at.ceil().long()], at - at.long())
 
 def soft_weights(stds: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """Dr. GRPO+ soft reweighting, no paper: RAGEN's top-k variance filter (2504.20073 §4), made soft."""
@@ -1014,16 +1003,17 @@ def step_terms(s: dict, a: Args, state: dict):
     if a.mask_truncated:  # DAPO §3.4 overlong filtering: no loss, and no count in either normaliser
         mask = mask * ~s["truncated"][:, None]
         words["m"] += ", 0 on a truncated completion"
-    row_adv = adv.reshape(-1)  # (M,): A_i; then token-level terms
-    adv = row_adv[:, None]
+    adv = row_adv = adv.reshape(-1, 1)  # (M, 1): A_i; then token-level terms
     keep = mask > 0
     if a.top_entropy_quantile < 1 and mask.any():  # 80/20 (2506.01939): the policy loss (and the entropy
         H = s["old_entropy"]  # bonus, as TRL's) on the top-ρ of the step's trained tokens by π_old's H
-        keep = keep & (H >= quantile(H[keep], 1 - a.top_entropy_quantile))
+        ranked = H[keep].sort().values  # torch.quantile's linear rule; it refuses over 2^24 tokens
+        at = torch.tensor(1 - a.top_entropy_quantile, dtype=H.dtype) * (len(ranked) - 1)
+        keep = keep & (H >= torch.lerp(ranked[at.long()], ranked[at.ceil().long()], at - at.long()))
         adv = adv * keep  # (KL, normalisers as they were)
-        stats["loss/low_entropy_frac"] = 1 - keep.sum().item() / (mask > 0).sum().item()  # the share dropped
+        stats["loss/low_entropy_frac"] = 1 - keep.sum().item() / len(ranked)  # the share of tokens dropped
         words["A"] += f"  ·  1[H_i,t ≥ its {1 - a.top_entropy_quantile:g} quantile in the step]"
-    return dict(adv=adv, row_adv=row_adv[:, None], loss_mask=mask, keep=keep, flat=flat), stats, words
+    return dict(adv=adv, row_adv=row_adv, loss_mask=mask, keep=keep, flat=flat), stats, words
 
 # ----------------------------------------------------------------------------- the token loss
 def policy_loss(logp, old_logp, adv, mask, a: Args):
@@ -1255,7 +1245,8 @@ def train_step(model, ref_model, opt, groups: list[dict], a: Args, state: dict |
         opt.step()
         opt.zero_grad(set_to_none=True)
     out.update({k: total[k] / total["n:" + k] for k in total if total.get("n:" + k)})
-    out.update(step_stats(gather_step({**tokens, "order": batch["order"]}, math.nan)[0]))
+    tokens = {k[2:]: tokens.get(k[2:], torch.full_like(mask, math.nan)) for k in total if k.startswith("n:")}
+    out.update(step_stats(gather_step({**tokens, "order": batch["order"]}, math.nan)[0]))  # every rank's keys
     return {**stats, **out, "loss": total["loss"], "train/rows": total["train/rows"]}
 
 def step_stats(d: dict) -> dict:
