@@ -492,6 +492,9 @@ def chat_prompt(tok, prompt: str, system: str, tools: dict | None = None) -> str
     schemas = tools and tools["schemas"]  # --tools: shown as the model was trained to read them
     return tok.apply_chat_template(messages, tools=schemas, tokenize=False, add_generation_prompt=True)
 
+def prompt_text(tok, ex: dict, a: Args, tools: dict | None = None) -> str:  # a record's: sampled, evaluated
+    return chat_prompt(tok, ex["prompt"], a.system_prompt, tools)  # FORKER: a record's own system prompt here
+
 def completion_mask(ids: torch.Tensor, eos_ids) -> torch.Tensor:
     """ids (N, C) -> mask (N, C): 1 up to and including the first EOS (an action to learn), 0 after."""
     is_eos = torch.isin(ids, torch.as_tensor(eos_ids, device=ids.device))  # by position: pad may be an EOS
@@ -569,11 +572,11 @@ def sample(model, tok, held: list[torch.Tensor], new_tokens: int, a: Args, greed
 def longest_prompt(model, tok, a: Args, train, evals, every: bool, tools=None) -> int:  # of those it reads
     room = (getattr(model.config, "max_position_embeddings", None) or math.inf) - a.max_new_tokens
     # a token is a byte or more, but for a BOS, an EOS and a space mark: room - bound bytes or fewer fit
-    bound = len(chat_prompt(tok, "", a.system_prompt, tools).encode()) + 3
+    bound = len(prompt_text(tok, {"prompt": ""}, a, tools).encode()) + 3
     longest = 0
     for source, split, examples in ((a.dataset, "train", train), (a.eval_dataset, "test", evals)):
         doubt = [i for i, ex in enumerate(examples) if every or len(ex["prompt"].encode()) + bound > room]
-        texts = [chat_prompt(tok, examples[i]["prompt"], a.system_prompt, tools) for i in doubt] or [""]
+        texts = [prompt_text(tok, examples[i], a, tools) for i in doubt] or [""]
         for i, ids in zip(doubt, tok(texts, add_special_tokens=not tok.chat_template).input_ids):
             if len(ids) > room:  # refused now, not met hours in as an allocation error inside generate
                 where = read_records(source, split)[i][0] if source else "the built-in task"
@@ -775,18 +778,6 @@ def select_groups(rewards: torch.Tensor, a: Args) -> tuple[torch.Tensor, bool, s
         words += f", then the top-{a.top_k_groups} by std"
     return keep, enough, words
 
-def all_sum(x: torch.Tensor) -> torch.Tensor:  # torchrun: this and all_gather carry what the ranks share
-    if dist.is_initialized():
-        dist.all_reduce(x)
-    return x
-
-def all_gather(obj) -> list:  # [every rank's obj]
-    if not dist.is_initialized():
-        return [obj]
-    out = [None] * dist.get_world_size()
-    dist.all_gather_object(out, obj)
-    return out
-
 def draw(stream, a: Args, state: dict) -> tuple[list[dict], str]:
     """A round's B prompts (every rank's), --dry-run's words. FORKER: a filter on what is drawn (a curriculum)
     skips examples here; state["scored"]: every rank's groups scored since the last draw, [(prompt, R)]."""
@@ -802,7 +793,7 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, state, sampler=None, 
     for rounds in range(1, a.max_gen_rounds + 1):
         drawn = draw(stream, a, state)[0][rank::world]  # whole groups per rank
         t0 = time.time()
-        texts = [chat_prompt(tok, ex["prompt"], a.system_prompt, tools) for ex in drawn]
+        texts = [prompt_text(tok, ex, a, tools) for ex in drawn]
         prompts, comps, truncated, logps, masks, calls = generate(model, tok, texts, G_s, a, sampler=sampler,
                                                                   tools=tools)
         t1 = time.time()
@@ -1278,22 +1269,21 @@ def edit_source_grads(grads: dict, params: list, a: Args) -> tuple[dict, str]:
 
 @torch.no_grad()
 def evaluate(model, tok, examples: list[dict], a: Args, rank=0, world=1, sampler=None, tools=None) -> dict:
-    """Greedy accuracy on held-out prompts, split over ranks; with --eval-samples k, also mean@k and pass@j
-    of k samples a prompt, drawn from a random stream of their own (the run's is untouched)."""
+    """Greedy accuracy on held-out prompts, over the ranks; --eval-samples k: mean@k, pass@j of k samples."""
     def n_correct(n: int, **kw) -> list[int]:  # correct completions of n a prompt, every rank's prompts
         mine = examples[rank::world]
         per_call = max(1, a.prompts_per_step // world * a.num_generations // n)  # the compiled sampler's rows
         counts = []
         for i in range(0, len(mine), per_call):
             chunk = mine[i:i + per_call]
-            texts = [chat_prompt(tok, ex["prompt"], a.system_prompt, tools) for ex in chunk]
+            texts = [prompt_text(tok, ex, a, tools) for ex in chunk]
             _, comps, _, _, masks, _ = generate(model, tok, texts, n, a, sampler=sampler, tools=tools, **kw)
             texts = model_text(tok, comps, masks)
             for j, ex in enumerate(chunk):
                 counts.append(sum(is_correct(t, ex["answer"]) for t in texts[j * n:(j + 1) * n]))
         return sum(all_gather(counts), [])
     k = a.eval_samples
-    with torch.random.fork_rng([model.device] if model.device.type == "cuda" else []):
+    with torch.random.fork_rng([model.device] if model.device.type == "cuda" else []):  # the run's untouched
         torch.manual_seed(a.seed + 1000 * rank + 999)
         greedy = n_correct(1, greedy=True)
         out = {"eval/accuracy": sum(greedy) / len(greedy)}
@@ -1314,6 +1304,18 @@ def setup_distributed():
     if not dist.is_initialized():  # (parse_args makes it)
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return dist.get_rank(), dist.get_world_size(), device
+
+def all_sum(x: torch.Tensor) -> torch.Tensor:  # torchrun: this and all_gather carry what the ranks share
+    if dist.is_initialized():
+        dist.all_reduce(x)
+    return x
+
+def all_gather(obj) -> list:  # [every rank's obj]
+    if not dist.is_initialized():
+        return [obj]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 def damaged(ckpt: str) -> str | None:  # its first file missing or cut (a copy cut short), by the sizes saved
     try:
@@ -1397,8 +1399,7 @@ def sample_rows(groups: list[dict], step: int) -> list[dict]:
              "rewards": None if teacher else {k: v[i].item() for k, v in g["per_fn"].items()},
              "reward": g["rewards"][i].item(), "adv": g["adv"][i].item() if "adv" in g else None,
              "length": len(g["completions"][i]), "truncated": bool(g["truncated"][i]),
-             "tool_calls": g["tool_calls"][i],
-             "correct": is_correct(text, g["answer"])}
+             "tool_calls": g["tool_calls"][i], "correct": is_correct(text, g["answer"])}
             for g in groups for i, (text, teacher) in enumerate(zip(g["texts"], g["is_teacher"]))]
 
 STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
@@ -1419,12 +1420,11 @@ def on_signal(run):
 LOCKS = {}  # output dir's .lock -> the file, locked from before the run in the dir is read till it ends
 
 def lock_output(out: str, wait: bool = False):
-    """One run per output dir: a lock on its .lock (None while the dir is not there). wait (--resume): for a
-    run still in it, as a requeued job meets its old one saving; else refused."""
+    """One run per output dir, by a lock on its .lock; wait (--resume) for a run in it to end, else refuse."""
     path = os.path.join(os.path.abspath(out), ".lock")
     try:
         f = LOCKS.get(path) or open(path, "a")  # held since parse_args: locked again, a no-op
-    except OSError:  # no dir yet, or not one we can write (check_output_dir says so)
+    except OSError:  # no dir yet (None), or not one we can write (check_output_dir says so)
         return None
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -1507,9 +1507,8 @@ def start(a: Args):
 def open_output(run, a: Args):  # rank 0, once every check has passed: only now is the output dir written
     os.makedirs(a.output_dir, exist_ok=True)
     run.lock = lock_output(a.output_dir)  # one run per output dir, till it ends
-    for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old"):
-        if a.overwrite:
-            shutil.rmtree(os.path.join(a.output_dir, name), ignore_errors=True)
+    for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old") if a.overwrite else ():
+        shutil.rmtree(os.path.join(a.output_dir, name), ignore_errors=True)
     run.log = open_log(a, "metrics.jsonl", run.start)
     run.samples = open_log(a, "samples.jsonl", run.start)  # empty without --log-samples
     if a.wandb_project:
@@ -1564,8 +1563,7 @@ def write_log(run, a: Args, m: dict, samples=()):  # rank 0: a line of metrics.j
         sys.modules["wandb"].log(m, step=m["step"])
 
 def describe(a: Args) -> str:
-    """--dry-run: the loss the flags optimise, in the words each term writes beside its math (probe: made-up
-    numbers, no model, no data), then every flag."""
+    """--dry-run: the loss the flags optimise, each term's words (probe: no model or data), then the flags."""
     w = probe(a)[2]
     G = group_size(a)
     shaping = score([], [], [], [], a)[2]  # what is added to the rewards' sum
@@ -1622,9 +1620,8 @@ def main(argv=None):
     finish(run, a)
 
 def save_last_step(run, a: Args, e: BaseException):
-    """Outside an update the weights are the last completed step's: a signal there, or an error (a reward, a
-    record, the sampler), saves that step, and an error then stops the run, saying so. An error inside an
-    update, or in its step's evaluation, log or save, leaves the last checkpoint; so do diverged logits."""
+    """A signal or an error (a reward, a record, the sampler) outside an update saves the last completed step
+    (the weights'); an error inside one, its evaluation, log or save, or diverged logits, save nothing."""
     if isinstance(e, KeyboardInterrupt) and not run.stop:  # no signal raised it (a reward?): an error, exit 1
         e = RuntimeError("the KeyboardInterrupt above came from no signal: an error")
     if run.rank == 0 and not run.busy and run.done["step"] > run.saved and "logits are not" not in str(e):

@@ -1893,11 +1893,11 @@ def test_the_step_s_map_names_the_functions_in_the_order_main_runs_them():
 
 def test_each_fact_is_written_once():
     """A fact the step uses in several places has one home: G (group_size), "a group's rewards are all equal"
-    (equal), pass@k's estimator (above the banner, where a term may use it), a record's chat prompt
-    (chat_prompt's template call)."""
+    (equal), pass@k's estimator (above the banner, where a term may use it), a record's chat prompt (prompt_text:
+    sampling, evaluation and the start-up check of its length read it there)."""
     source = inspect.getsource(grpo)
     for fact in ("num_generations + a.teacher_per_group", ".max(-1).values == ", "math.comb(n - c, k)",
-                 "apply_chat_template(messages"):
+                 "apply_chat_template(messages", "a.system_prompt"):
         assert source.count(fact) == 1, fact
     assert source.index("def pass_at_k") < source.index("# ===") and "def group_size" in source
 
