@@ -1149,9 +1149,10 @@ def token_objective(logp, entropy, b: dict, a: Args):
 
 # ----------------------------------------------------------------------------- the step
 def probe(a: Args):
-    """The step's terms on made-up numbers, no model: the step inputs they read (a step computes these, and
-    only these); each term's --dry-run words; what becomes of an equal-reward group: whether the rows
-    step_terms flags A = 0 are skipped (--skip-zero-variance, and ∇ℓ = 0 there: skipping is a no-op)."""
+    """The step's terms on made-up numbers, no model: the inputs they read, not step_terms' outputs (a step
+    computes these, only these); each term's --dry-run words; what becomes of an equal-reward group:
+    whether the rows step_terms flags A = 0 are skipped (--skip-zero-variance, and ∇ℓ = 0 there: skipping
+    is a no-op)."""
     G = group_size(a)
     gen = torch.Generator().manual_seed(0)
     def made_up():  # (G, 3) log-probs: any step input a term reads
