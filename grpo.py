@@ -817,8 +817,8 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, state, sampler=None, 
                 per_fn={k: v[rows] for k, v in per_fn.items()}))
         stats["time/generate"] += t1 - t0
         stats["time/reward"] += time.time() - t1
-        scored = [(g["order"], g["prompt"], g["rewards"].tolist()) for g in generated]
-        everyone = sorted(sum(all_gather(scored), []))
+        sampled = [(g["order"], g["prompt"], g["rewards"].tolist()) for g in generated]
+        everyone = sorted(sum(all_gather(sampled), []))
         state["scored"] = [(prompt, r) for _, prompt, r in everyone[-a.prompts_per_step:]]  # this round's
         keep, enough, _ = select_groups(torch.tensor([r for _, _, r in everyone]), a)
         if enough:

@@ -1877,7 +1877,7 @@ def test_the_step_s_map_names_the_functions_in_the_order_main_runs_them():
     """The map where the loop begins names the step's stages in the order they run: each name a function of
     grpo.py, and main and train_step call the stages in that order (a renamed or reordered stage breaks it)."""
     source = inspect.getsource(grpo)
-    block = source.split("# A step, as main runs it:")[1].split("\ndef ")[0]
+    block = source.split("- generate\n")[1].split("\ndef ")[0]  # the comment under the loop's first rule
     names = [n for n in re.findall(r"[a-z_]+", block) if callable(getattr(grpo, n, None))]
     stages = list(dict.fromkeys(names))
     assert stages[:10] == ["at_step", "rollout", "draw", "generate", "score", "select_groups", "train_step",
