@@ -111,7 +111,7 @@ class Args:
     overlong_penalty: bool = flag(False, "DAPO §3.4 soft overlong punishment added to the reward")
     overlong_buffer: int = flag(0, "L_cache in tokens for the overlong penalty (0: T // 5)")
     kl_in_reward: float = flag(0.0, "β: R_i -= β Σ_t log π_old/π_ref before the advantage (RLOO's KL)")
-    kl_target: float = flag(0.0, "adaptive β: moved a step towards this KL (PPO's; verl's kl_ctrl)")
+    kl_target: float = flag(0.0, "adaptive β: a step moves it towards this KL per token (verl's kl_ctrl)")
     adv_estimator: str = flag("grpo", "grpo | rloo | reinforce_plus_plus_baseline | gdpo (verl's names)",
                               ("grpo", "rloo", "reinforce_plus_plus_baseline", "gdpo"))  # advantage
     scale: str = flag("std", "grpo's R - mean_g: / std_g | none | / the step's std", ("std", "none", "batch"))
@@ -476,12 +476,11 @@ def make_optimizer(a: Args, model):
 # gradient summed over ranks -> the update. A term reads inputs by name (b["ref_logp"]), its memory in state.
 def at_step(a: Args, state: dict, step: int) -> Args:
     """The flags step `step` uses: the sampler, rewards, terms, optimizer and evaluation read this copy, one
-    value for all. state: the run's memory, saved for --resume: step, max_steps (the first run's: --max-steps
-    N then moves no schedule), prompts_drawn and scored (draw), a term's (step_terms' kl_in_reward). FORKER: a
-    schedule of temperature, top-p, top-k, T (<= --max-new-tokens) or a coefficient: a line here, as lr's."""
+    value for all. state: the run's memory, saved for --resume: step, max_steps (the first run's, so that
+    --max-steps N moves no schedule: clamp one past it), prompts_drawn, scored, a term's. FORKER: a schedule
+    (temperature, top-p, top-k, T <= --max-new-tokens, a coefficient) is a line here, t.x = ..., as lr's."""
     state["step"] = step
-    t = dataclasses.replace(a)
-    t.learning_rate = a.learning_rate * min(1, step / max(1, a.warmup_steps))  # linear warm-up, then constant
+    t = dataclasses.replace(a, learning_rate=a.learning_rate * min(1, step / max(1, a.warmup_steps)))
     return t
 
 def chat_prompt(tok, prompt: str, system: str, tools: dict | None = None) -> str:
@@ -778,10 +777,14 @@ def select_groups(rewards: torch.Tensor, a: Args) -> tuple[torch.Tensor, bool, s
         words += f", then the top-{a.top_k_groups} by std"
     return keep, enough, words
 
+def counted(stream, state: dict):  # from where the run left off, each prompt drawn counted in its state
+    for ex in itertools.islice(stream, state["prompts_drawn"], None):
+        state["prompts_drawn"] += 1
+        yield ex
+
 def draw(stream, a: Args, state: dict) -> tuple[list[dict], str]:
     """A round's B prompts (every rank's), --dry-run's words. FORKER: a filter on what is drawn (a curriculum)
     skips examples here; state["scored"]: every rank's groups scored since the last draw, [(prompt, R)]."""
-    state["prompts_drawn"] += a.prompts_per_step  # what the stream gave, for --resume
     return [next(stream) for _ in range(a.prompts_per_step)], f"B = {a.prompts_per_step} prompts q a step"
 
 def rollout(model, tok, stream, reward_fns, pool, a: Args, state, sampler=None, rank=0, world=1, tools=None):
@@ -904,8 +907,7 @@ def policy_logps(model, batch: dict, idx: list[int], a: Args):  # -> logp, entro
 def step_inputs(model, ref_model, batch: dict, names: set, a: Args):
     """batch[name] (N, C) for each step input a term reads (probe), in micro-batches. FORKER: another input (a
     second reference, a value head's output) is a branch here; a term then reads it by its name."""
-    N = len(batch["mask"])
-    chunks = [list(range(i, min(i + a.micro_batch_size, N))) for i in range(0, N, a.micro_batch_size)]
+    chunks = [c.tolist() for c in torch.arange(len(batch["mask"])).split(a.micro_batch_size) if len(c)]
     with torch.no_grad():
         if names & {"old_logp", "old_entropy"}:  # by the policy before the step's first update
             batch["old_logp"] = torch.empty_like(batch["mask"])
@@ -963,9 +965,9 @@ def step_terms(s: dict, a: Args, state: dict):
         stats.update({"kl/in_reward": kl.mean().item(), "kl/in_reward_coef": state["kl_in_reward"]})
         words["R"] += f" - {a.kl_in_reward:g}·Σ_t log π_old/π_ref"
         if a.kl_target:  # Ziegler et al. (1909.08593) §2.2, as verl's AdaptiveKLController (horizon 1e4)
-            error = (kl / (mask.sum(-1) + 1e-8)).mean().item() / a.kl_target - 1  # KL: the token means' mean
-            state["kl_in_reward"] *= 1 + min(max(error, -0.2), 0.2) * len(R) / 1e4  # the next step's β
-            words["R"] += f" (β at first; then ×= 1 + clip(KL/{a.kl_target:g} - 1, ±0.2)·M/1e4 a step)"
+            kl_t = stats["kl/in_reward_token"] = (kl / (mask.sum(-1) + 1e-8)).mean().item()  # rows' means
+            state["kl_in_reward"] *= 1 + min(max(kl_t / a.kl_target - 1, -0.2), 0.2) * len(R) / 1e4  # next β
+            words["R"] += f" (β = {a.kl_in_reward:g}, ×= 1 + clip(KL_t/{a.kl_target:g} - 1, ±.2)·BG/1e4)"
     rewards = R.view(-1, G)  # (groups, G)
     flat = equal(rewards).repeat_interleave(G)[:, None]  # (M, 1): A = 0 in the group
     adv, words["A"] = group_advantages(rewards, a.scale, a.std_eps)
@@ -1201,12 +1203,14 @@ def train_step(model, ref_model, opt, groups: list[dict], a: Args, state: dict |
     chunks = [rows[i:i + a.micro_batch_size] for i in range(0, len(rows), a.micro_batch_size)]
     mask, teacher = batch["loss_mask"], batch["is_teacher"][:, None].float()  # the pool's halves, one norm.
     parts = {"student": mask * (1 - teacher), "teacher": mask * teacher} if a.split_grads else {"all": mask}
+    wanted = collections.defaultdict(lambda: torch.ones(1, 1))
+    step_stats(wanted)  # the diagnostics it reads (as probe finds a term's inputs): only they are gathered
     for update in range(a.num_iterations):
         for p in params:
             p.grad = torch.zeros_like(p)
         grads = {name: [torch.zeros_like(p) for p in params] for name in parts if a.split_grads}
         sums = {"loss": 0.0, "train/rows": len(rows)}
-        tokens = {}  # each diagnostic (N, C), NaN where not defined: for step_stats
+        tokens = {k: torch.full_like(mask, math.nan) for k in wanted}  # (N, C) each, NaN where not defined
         for idx in chunks:
             logp, entropy = policy_logps(model, batch, idx, a)
             b = {k: v[idx] for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
@@ -1222,7 +1226,7 @@ def train_step(model, ref_model, opt, groups: list[dict], a: Args, state: dict |
                 valid = (mask[idx] > 0) & x.isfinite()
                 sums[key] = sums.get(key, 0) + torch.where(valid, x, 0).sum()
                 sums["n:" + key] = sums.get("n:" + key, 0) + valid.sum()
-                tokens.setdefault(key, torch.full_like(mask, math.nan))[idx] = torch.where(valid, x, math.nan)
+                tokens.get(key, torch.empty_like(mask))[idx] = torch.where(valid, x, math.nan)  # (or dropped)
         # the step's gradient is the SUM of the ranks' (each rank's loss carries the global normaliser)
         for g in sum(grads.values(), []) or [p.grad for p in params]:
             all_sum(g)
@@ -1237,15 +1241,14 @@ def train_step(model, ref_model, opt, groups: list[dict], a: Args, state: dict |
         opt.step()
         opt.zero_grad(set_to_none=True)
     out.update({k: total[k] / total["n:" + k] for k in total if total.get("n:" + k)})
-    tokens = {k[2:]: tokens.get(k[2:], torch.full_like(mask, math.nan)) for k in total if k.startswith("n:")}
-    out.update(step_stats(gather_step({**tokens, "order": batch["order"]}, math.nan)[0]))  # every rank's keys
+    out.update(step_stats(gather_step({**tokens, "order": batch["order"]}, math.nan)[0]))
     return {**stats, **out, "loss": total["loss"], "train/rows": total["train/rows"]}
 
 def step_stats(d: dict) -> dict:
     """The step's statistics but the means (train_step's), over every rank's trained tokens as one process has
     them: d[name] (M, C), a diagnostic of token_objective, NaN where it is not defined."""
     out = {}  # FORKER: another statistic of one (a quantile, a covariance, a max) is a line here
-    gap = d.get("sampler/logp_gap", torch.tensor([math.nan]))
+    gap = d["sampler/logp_gap"]
     if gap.isfinite().any():  # the sampler's health check at its worst token
         out["sampler/logp_gap_max"] = gap[gap.isfinite()].max().item()
     return out
@@ -1486,21 +1489,22 @@ def start(a: Args):
     opt = make_optimizer(a, model)
     torch.manual_seed(a.seed + 1000 * rank)  # sampling and teacher draws differ per rank, and repeat per run
     random.seed(a.seed + 1000 * rank)
-    if a.resume:  # (rng stays in run.done, the last completed step's: a save before the next step has it)
+    if a.resume:  # (the random states: restored here, saved anew as each step ends)
         opt.load_state_dict(state.pop("optimizer"))
-        torch.set_rng_state(state["rng"][rank]["torch"])
-        random.setstate(state["rng"][rank]["python"])
-        if state["rng"][rank]["cuda"] is not None:
-            torch.cuda.set_rng_state(state["rng"][rank]["cuda"])
-    stream = itertools.islice(prompt_stream(train, a.seed), state["prompts_drawn"], None)  # where it left off
+        rng = state.pop("rng")[rank]
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        if rng["cuda"] is not None:
+            torch.cuda.set_rng_state(rng["cuda"])
+    stream = counted(prompt_stream(train, a.seed), state)  # where it left off
     from tqdm import tqdm
     steps = range(state["step"] + 1, a.max_steps + 1)
     bar = tqdm(steps, desc=a.algo, disable=rank > 0, initial=state["step"], total=a.max_steps)
-    run = argparse.Namespace(  # state: the run's, live; done: it at the last completed step, with the RNGs;
+    run = argparse.Namespace(  # state: the run's, live; done: it as the last step ended; saved: the last save
         rank=rank, world=world, device=device, model=model, tok=tok, ref_model=ref_model, opt=opt, bar=bar,
         sampler=sampler, reward_fns=reward_fns, pool=pool, evals=evals, stream=stream, start=state["step"],
-        state={k: v for k, v in state.items() if k != "rng"}, done=state, saved=state["step"], busy=False,
-        stop=0, flat=0, bad_steps=0, tools=tools)  # saved: the last checkpoint's step
+        state=state, done=dict(state), saved=state["step"], busy=False, stop=0, flat=0, bad_steps=0,
+        tools=tools)
     if rank == 0:
         open_output(run, a)
     return run
@@ -1575,7 +1579,7 @@ def describe(a: Args) -> str:
              f"  π_old = {w['π_old']}", f"  A_i = {w['A']}", f"  R_i = {reward}{w['R']}",
              f"  o_1..{G} ~ π_old(·|q), {a.teacher_per_group} of them from the pool (R frozen), temp. "
              f"{a.temperature:g}, top-p {a.top_p:g}, top-k {a.top_k}, |o_i| ≤ {a.max_new_tokens}; "
-             f"{draw(itertools.repeat({}), a, {'prompts_drawn': 0})[1]}",
+             f"{draw(itertools.repeat({}), a, {})[1]}",
              f"  groups trained: {select_groups(torch.arange(G)[None].float(), a)[2]}; those of equal "
              f"rewards {w['equal']}"]
     flags = " ".join(f"{dash(k)} {v!r}" for k, v in vars(a).items())
@@ -1653,9 +1657,8 @@ def finish(run, a: Args):
         print(f"grpo: stopped at step {run.done['step']}: --resume to continue ({where})")
     elif run.rank == 0:
         print("grpo: stopped before step 1 ended: nothing saved")
-    if run.rank == 0:  # (closed for a caller that runs main() again in this process)
-        for f in (LOCKS.pop(run.lock.name), run.log, run.samples):
-            f.close()
+    for f in (LOCKS.pop(run.lock.name), run.log, run.samples) if run.rank == 0 else ():  # (for a caller that
+        f.close()  # runs main() again in this process)
     if run.stop and not finished:
         raise SystemExit(128 + run.stop)
 
