@@ -1579,7 +1579,7 @@ def describe(a: Args) -> str:
              f"  π_old = {w['π_old']}", f"  A_i = {w['A']}", f"  R_i = {reward}{w['R']}",
              f"  o_1..{G} ~ π_old(·|q), {a.teacher_per_group} of them from the pool (R frozen), temp. "
              f"{a.temperature:g}, top-p {a.top_p:g}, top-k {a.top_k}, |o_i| ≤ {a.max_new_tokens}; "
-             f"{draw(itertools.repeat({}), a, {})[1]}",
+             f"{draw(itertools.repeat({'prompt': '', 'answer': ''}), a, {})[1]}",
              f"  groups trained: {select_groups(torch.arange(G)[None].float(), a)[2]}; those of equal "
              f"rewards {w['equal']}"]
     flags = " ".join(f"{dash(k)} {v!r}" for k, v in vars(a).items())

@@ -4130,6 +4130,7 @@ def test_a_curriculum_in_draw_and_a_schedule_over_max_steps_resume_bit_for_bit(t
     rounds = sum(r["groups/gen_rounds"] for r in metrics(straight))
     assert state["prompts_drawn"] > 2 * rounds  # the skipped ones counted: the stream's place, as drawn
     assert horizons == [(1, 4), (2, 4), (3, 4), (4, 4), (1, 2), (2, 2), (3, 2), (4, 2)]
+    assert "unsolved prompts" in grpo.describe(grpo.Args())  # --dry-run: the fork's words, from a made-up record
 
 
 def test_resume_refuses_what_it_cannot_continue_in_one_line(tiny_dir, tmp_path, capsys):
