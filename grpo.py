@@ -469,11 +469,11 @@ def make_optimizer(a: Args, model):
     return optimizer(params, lr=a.learning_rate, weight_decay=a.weight_decay)
 
 # ----------------------------------------------------------------------------- generate
-# A step: at_step (this step's flags) -> rollout: draw B prompts, generate G_s completions each (and G_t from
-# the pool), score, select_groups -> train_step: prepare (collate this rank's rows; step_inputs: what probe
-# finds the terms read; gather_step: every rank's rows as one process has them, `mine` this rank's;
-# step_terms: R, A, the loss mask) -> per micro-batch token_objective, aggregate_loss, backward -> the
-# gradient summed over ranks -> the update. A term reads inputs by name (b["ref_logp"]), its memory in state.
+# A step: at_step (its flags) -> rollout: draw B prompts, generate G_s completions each (and G_t from the
+# pool), score, select_groups -> train_step: prepare (collate this rank's rows; step_inputs: what probe finds
+# the terms read; gather_step: every rank's rows as one process has them, `mine` this rank's; step_terms: R,
+# A, the loss mask) -> per micro-batch token_objective, aggregate_loss, backward -> the gradient summed over
+# ranks -> the update -> step_stats. A term reads inputs by name (b["ref_logp"]); its memory: state.
 def at_step(a: Args, state: dict, step: int) -> Args:
     """The flags step `step` uses: the sampler, rewards, terms, optimizer and evaluation read this copy, one
     value for all. state: the run's memory, saved for --resume: step, max_steps (the first run's, so that
