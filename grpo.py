@@ -478,7 +478,7 @@ def at_step(a: Args, state: dict, step: int) -> Args:
     """The flags step `step` uses: the sampler, rewards, terms, optimizer and evaluation read this copy, one
     value for all. state: the run's memory, saved for --resume: step, max_steps (the first run's, so that
     --max-steps N moves no schedule: clamp one past it), prompts_drawn, scored, a term's. FORKER: a schedule
-    (temperature, top-p, top-k, T <= --max-new-tokens, a coefficient) is a line here, t.x = ..., as lr's."""
+    (temperature, top-p, top-k, T <= --max-new-tokens, a coefficient) is a line here, t.x = ..., as the lr."""
     state["step"] = step
     t = dataclasses.replace(a, learning_rate=a.learning_rate * min(1, step / max(1, a.warmup_steps)))
     return t
@@ -783,8 +783,8 @@ def counted(stream, state: dict):  # from where the run left off, each prompt dr
         yield ex
 
 def draw(stream, a: Args, state: dict) -> tuple[list[dict], str]:
-    """A round's B prompts (every rank's), --dry-run's words. FORKER: a filter on what is drawn (a curriculum)
-    skips examples here; state["scored"]: every rank's groups scored since the last draw, [(prompt, R)]."""
+    """A round's B prompts (every rank's), --dry-run's words. FORKER: a curriculum skips examples here (the
+    stream counts each for --resume); state["scored"]: every rank's groups scored since the last draw."""
     return [next(stream) for _ in range(a.prompts_per_step)], f"B = {a.prompts_per_step} prompts q a step"
 
 def rollout(model, tok, stream, reward_fns, pool, a: Args, state, sampler=None, rank=0, world=1, tools=None):
