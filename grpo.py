@@ -536,37 +536,62 @@ def model_text(tok, comps: list[torch.Tensor], tool_masks: list[torch.Tensor]) -
     """What rewards and accuracy grade: the model's tokens, not a tool's (its last number is no answer)."""
     return tok.batch_decode([c[m > 0] for c, m in zip(comps, tool_masks)], skip_special_tokens=True)
 
-def sample(model, tok, held: list[torch.Tensor], new_tokens: int, a: Args, greedy=False, sampler=None):
-    """A turn of each row: the tokens drawn after what it holds (prompt, draws, results), their log-probs."""
-    extra = -len(held) % sampler["rows"] if sampler else 0  # rows added for compile_sampler's shape, dropped
-    enc = tok.pad({"input_ids": held + held[-1:] * extra}, padding="max_length" if sampler else True,
-                  max_length=sampler and sampler["prompt_len"], return_tensors="pt").to(model.device)  # left
-    steps, last, finite = [], [], []  # one step's (rows, V) log-probs are kept at a time, never (rows, T, V)
-    def record(input_ids, scores):  # before each draw, on raw logits (ahead of temperature and top-k/p)
-        if last:  # input_ids ends with the previous draw
-            steps.append(last.pop().gather(1, input_ids[:, -1:])[:, 0])
-        ok = scores.isfinite().all(-1, keepdim=True)
-        finite.append(ok.all())
-        if not greedy:
-            last.append(torch.log_softmax(scores.float() / a.temperature, -1))
-        return torch.where(ok, scores, 0.0)  # a diverged model fails below, not inside the sampler
-    kw = dict(do_sample=True, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
-    if greedy:
-        kw = dict(do_sample=False)
-    if sampler:
-        kw.update(cache_implementation="static", compile_config=sampler["compile_config"])
-        new_tokens = a.max_new_tokens
+def sample(model, tok, held: list[torch.Tensor], new_tokens: int, a: Args, greedy=False, sampler=None,
+           temps=None):
+    """A turn of each row: the tokens drawn after what it holds (prompt, draws, results), their log-probs at
+    the row's temperature (temps (n,), a's if None; greedy: 1). A prefill, then a decode_step a token on the
+    static KV cache; EOS is checked every 16 tokens (the loop's one host sync)."""
+    if not sampler or len(held) > sampler["rows"] or max(map(len, held)) > sampler["prompt_len"]:
+        sampler = make_sampler(model, a, max(map(len, held)), len(held))  # uncompiled, this call's shape
+    N, P, n, dev = sampler["rows"], sampler["prompt_len"], len(held), model.device
+    enc = tok.pad({"input_ids": held + [held[0][:0]] * (N - n)}, padding="max_length", max_length=P,
+                  return_tensors="pt").to(dev)  # (N, P), left-padded; rows past n pad the shape, dropped
+    pads = P - enc.attention_mask.sum(1, keepdim=True)  # (N, 1)
+    temp = torch.full((N, 1), a.temperature, device=dev)  # FORKER: a row's own temperature comes in temps
+    temp[:n, 0] = torch.as_tensor(temps if temps is not None else a.temperature) * (not greedy)  # 0: greedy
+    eos = torch.tensor(model.generation_config.eos_token_id, device=dev)
+    out = torch.zeros(N, new_tokens, dtype=torch.long, device=dev)  # (N, C): the tokens drawn
+    logp = torch.zeros(N, new_tokens, device=dev)  # (N, C): their log-probs
+    done = torch.zeros(N, dtype=torch.bool, device=dev)
+    sampler["cache"].reset()  # zeros, in place: the compiled step reads the same tensors every call
     model.eval()
-    with autocast(a, model.device):
-        out = model.generate(**enc, max_new_tokens=new_tokens, logits_processor=[record], **kw)
+    with torch.no_grad(), autocast(a, dev):
+        x, pos, step = enc.input_ids, torch.arange(P, device=dev), decode_step  # the prefill: never compiled
+        for t in range(new_tokens):
+            token, logp[:, t] = step(model, sampler["cache"], x, pos, pads, temp, a.top_k, a.top_p)
+            out[:, t] = token  # copied: a compiled step's outputs are overwritten by its next call
+            done |= torch.isin(token, eos)
+            if t % 16 == 15 and done.all():
+                break
+            x, pos, step = out[:, t:t + 1], pos[-1:] + 1, sampler["step"]
     model.train()
-    if not torch.stack(finite).all():
+    if not logp[:, :t + 1].isfinite().all():  # (a drawn token's: a -inf logit is never drawn)
         fail("the model's logits are not finite: training diverged; lower --learning-rate")
-    if last:  # the last draw
-        steps.append(last.pop().gather(1, out[:, -1:])[:, 0])
-    comp = out[:len(held), enc.input_ids.shape[1]:]  # (N, C)
-    logp = torch.stack(steps, 1)[:len(comp)] if steps else torch.full(comp.shape, math.nan, device=out.device)
-    return comp.cpu(), logp.cpu()  # (N, C) each, on the CPU; log-probs NaN when greedy
+    return out[:n, :t + 1].cpu(), logp[:n, :t + 1].cpu()  # (n, C) each
+
+def decode_step(model, cache, ids, pos, pads, temp, top_k: int, top_p: float):
+    """The rows' newest tokens ids (N, q) at cache positions pos (q,) into the cache -> the next token (N,),
+    its log-prob at the row's temperature temp (N, 1) before top-k/p cut it (the trainer's). It holds one
+    position's logits, (N, V). temp 0: greedy (its log-prob at temperature 1)."""
+    from transformers import TopKLogitsWarper, TopPLogitsWarper
+    keys = torch.arange(cache.get_max_length(), device=ids.device)  # (L,): the cache's positions
+    first = torch.minimum(pads[..., None], pos[:, None])  # (N, q, 1): the row's first token (a pad: itself)
+    seen = (keys >= first) & (keys <= pos[:, None])  # (N, q, L): causal, past the left padding
+    dtype = model.get_input_embeddings().weight.dtype
+    mask = torch.where(seen[:, None], 0.0, torch.finfo(dtype).min).to(dtype)  # (N, 1, q, L), added
+    hidden = model.get_decoder()(ids, mask, (pos - pads).clamp(min=0), cache,  # (by place: 5.24 renames it)
+                                 use_cache=True).last_hidden_state[:, -1]  # (N, H): the last position's
+    logits = model.get_output_embeddings()(hidden).float()  # (N, V)
+    hot = temp > 0
+    scores = logits / torch.where(hot, temp, 1.0)
+    logp = scores.log_softmax(-1)
+    if top_k:  # transformers' own, in generate's order
+        scores = TopKLogitsWarper(top_k)(ids, scores)
+    if top_p < 1:
+        scores = TopPLogitsWarper(top_p)(ids, scores)
+    drawn = (scores.softmax(-1) / torch.empty_like(scores).exponential_()).argmax(-1)  # ~ softmax, no sync
+    token = torch.where(hot[:, 0], drawn, logits.argmax(-1))  # (N,)
+    return token, logp.gather(-1, token[:, None])[:, 0]
 
 def longest_prompt(model, tok, a: Args, train, evals, every: bool, tools=None) -> int:  # of those it reads
     room = (getattr(model.config, "max_position_embeddings", None) or math.inf) - a.max_new_tokens
@@ -584,20 +609,20 @@ def longest_prompt(model, tok, a: Args, train, evals, every: bool, tools=None) -
             longest = max(longest, len(ids))
     return longest
 
-def compile_sampler(model, a: Args, prompt_len: int, world: int = 1) -> dict | None:
-    """--compile-generate: one shape a call and a static KV cache: the decode step compiles once, reading the
-    weights in place (prompts padded to the longest, rows to B / ranks x G). None for two runs (a note)."""
-    from transformers import CompileConfig
-    if a.load_in_4bit or a.lora_r == 0 and use_bf16(a, model.device):  # see README, "Design notes"
+def make_sampler(model, a: Args, prompt_len: int, rows: int, compiled: bool = False) -> dict | None:
+    """The decode loop's shape, rows x (prompt_len + T) (a smaller call is padded to it), and all it holds: a
+    static KV cache (transformers'), kept for the run. compiled: decode_step compiled once for every position
+    and call, reading the weights in place; None (each call's own, uncompiled) for two runs (README)."""
+    from transformers import StaticCache
+    step = decode_step
+    if compiled and (a.load_in_4bit or a.lora_r == 0 and use_bf16(a, model.device)):  # see "Design notes"
         print("grpo: note: QLoRA, and full fine-tuning in bf16, sample uncompiled", file=sys.stderr)
         return None
-    config = CompileConfig(dynamic=False)
-    if model.device.type != "cuda":  # traced on a CPU, without generated code
-        config = CompileConfig(dynamic=False, backend="eager", mode=None)
-    config._compile_all_devices = True
-    rows = a.prompts_per_step // world * a.num_generations
-    prompt_len += a.max_new_tokens if a.tools else 0  # --tools: a row draws on after results, all it holds
-    return dict(prompt_len=prompt_len, rows=rows, compile_config=config)
+    if compiled:  # on CUDA one graph, replayed; on a CPU traced, without generated code
+        kw = dict(mode="reduce-overhead") if model.device.type == "cuda" else dict(backend="eager")
+        step = torch.compile(decode_step, dynamic=False, **kw)
+    cache = StaticCache(config=model.config, max_cache_len=prompt_len + a.max_new_tokens)
+    return dict(prompt_len=prompt_len, rows=rows, cache=cache, step=step)
 
 def parse_tool_calls(text: str) -> list[dict]:
     """The calls a turn makes, in Qwen2.5's (Hermes') format: <tool_call>{"name": ..., "arguments": {...}}"""
@@ -827,6 +852,7 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, state, sampler=None, 
         if enough:
             break
     chosen = {everyone[i][0] for i in keep.tolist()}
+    stats.update(peak_memory(model.device, "generate"))  # since the last step's training: sampling, rewards
     stats.update({"groups/gen_rounds": rounds, "groups/kept": len(chosen), **group_metrics(generated, a)})
     return [g for g in generated if g["order"] in chosen], stats, generated
 
@@ -1242,7 +1268,15 @@ def train_step(model, ref_model, opt, groups: list[dict], a: Args, state: dict |
         opt.zero_grad(set_to_none=True)
     out.update({k: total[k] / total["n:" + k] for k in total if total.get("n:" + k)})
     out.update(step_stats(gather_step({**tokens, "order": batch["order"]}, math.nan)[0]))
+    out.update(peak_memory(model.device, "train"))
     return {**stats, **out, "loss": total["loss"], "train/rows": total["train/rows"]}
+
+def peak_memory(device, phase: str) -> dict:  # CUDA: memory/PHASE_gib, torch's peak since the last call
+    if device.type != "cuda":
+        return {}
+    peak = torch.cuda.max_memory_allocated(device) / 2 ** 30
+    torch.cuda.reset_peak_memory_stats(device)  # the next phase's starts
+    return {f"memory/{phase}_gib": peak}
 
 def step_stats(d: dict) -> dict:
     """The step's statistics but the means (train_step's), over every rank's trained tokens as one process has
@@ -1485,7 +1519,8 @@ def start(a: Args):
     tools = load_tools(a, tok) if a.tools else None
     compiled = a.compile_generate == "on" or a.compile_generate == "auto" and device.type == "cuda"
     longest = longest_prompt(model, tok, a, train, evals, compiled, tools)  # one past the context fails
-    sampler = compile_sampler(model, a, longest, world) if compiled else None
+    rows = a.prompts_per_step // world * a.num_generations  # the sampler's shape (--tools: results too)
+    sampler = compiled and make_sampler(model, a, longest + a.max_new_tokens * bool(tools), rows, True)
     opt = make_optimizer(a, model)
     torch.manual_seed(a.seed + 1000 * rank)  # sampling and teacher draws differ per rank, and repeat per run
     random.seed(a.seed + 1000 * rank)

@@ -3165,7 +3165,7 @@ def test_the_sampler_draws_on_after_tool_results_as_the_trainer_reads_them(tools
     first_turn = [len(tok(t, add_special_tokens=False).input_ids) for t in texts]
     real, first = grpo.sample, scripted(tok, [[CALL.format("6*7")] * 8], logp=math.nan)  # (no sampler's)
     monkeypatch.setattr(grpo, "sample", lambda *args: (first if len(args[2][0]) in first_turn else real)(*args))
-    sampler = grpo.compile_sampler(model, a, max(first_turn)) if compiled else None
+    sampler = grpo.make_sampler(model, a, max(first_turn) + a.max_new_tokens, 8, True) if compiled else None
     torch.manual_seed(0)
     prompts, comps, truncated, logps, masks, calls = grpo.generate(model, tok, texts, 4, a, sampler=sampler,
                                                                    tools=tools)
@@ -3453,7 +3453,7 @@ def test_compiled_sampler_draws_what_the_uncompiled_one_draws(loaded, loaded_bf1
     texts = [grpo.chat_prompt(tok, t, a.system_prompt) for t in TEXTS]
     torch.manual_seed(0)
     plain = grpo.generate(model, tok, texts, a.num_generations, a)[:4]
-    sampler = grpo.compile_sampler(model, a, prompt_len=300)
+    sampler = grpo.make_sampler(model, a, 300, 8, compiled=True)
     torch.manual_seed(0)
     prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a, sampler=sampler)[:4]
     same = [torch.equal(x, y) for x, y in zip(plain[1], comps)]
@@ -3474,7 +3474,7 @@ def test_compiled_sampler_reads_this_step_s_weights_and_compiles_once(loaded):
     model = copy.deepcopy(model)
     a = replace(a, learning_rate=0.05)
     texts = [grpo.chat_prompt(tok, t, a.system_prompt) for t in TEXTS]
-    sampler = grpo.compile_sampler(model, a, prompt_len=300)
+    sampler = grpo.make_sampler(model, a, 300, 8, compiled=True)
     opt = grpo.make_optimizer(a, model)
     ptrs = [p.data_ptr() for p in model.parameters()]
     prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a, sampler=sampler)[:4]
