@@ -30,6 +30,8 @@ from dataclasses import replace
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # (before torch is imported; subprocesses inherit it)
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_leaves  # noqa: E402
 
 import grpo
 import rewards as R
@@ -2634,6 +2636,62 @@ def test_one_step_at_the_full_vocabulary_width(wide_dir, algo, dtype):
     m = grpo.train_step(model, ref, grpo.make_optimizer(a, model), groups, a)
     assert m["grad/norm"] > 0 and math.isfinite(m["loss"]) and math.isfinite(m["kl"])
     assert 0 < m["policy/entropy"] <= math.log(len(tok)) + 1e-3
+
+
+class Largest(TorchDispatchMode):
+    """Records the largest tensor an op makes (not a view of, nor one written into, a tensor it was given):
+    its bytes, the op and its shape."""
+    def __init__(self):
+        super().__init__()
+        self.top = (0, "", ())
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {x.untyped_storage().data_ptr() for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)}
+        for x in tree_leaves(out):
+            if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() not in given:
+                self.top = max(self.top, (x.untyped_storage().nbytes(), str(func), tuple(x.shape)))
+        return out
+
+
+@pytest.fixture(scope="session")
+def qwen_width_dir(tmp_path_factory):
+    """Qwen2.5-0.5B's widths (vocabulary 151,936, hidden 896, MLP 4,864, 14 heads, 2 KV heads), 2 layers."""
+    return tiny.make_tiny(str(tmp_path_factory.mktemp("qwen_width") / "model"), layers=2, **tiny.QWEN25_05B)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_sampling_and_a_step_hold_what_the_design_says_at_qwen2_5_0_5b_s_width(qwen_width_dir, compiled):
+    """What decides who can run the headline command is memory, so each phase's largest tensor is bounded by
+    design, measured op by op. Sampling 8 rows: one position's logits, (N, V) in fp32 (grpo.decode_step), or the
+    prefill's widest activation, (N, P, MLP) in fp32 (LoRA's); (N, 2, V) logits or the prefill's (N, P, V) are far
+    over. A training step: one output-layer chunk, (2^24 // V, V) in fp32 (grpo.token_logps), not (N, C, V) (128
+    tokens here); and with --gradient-checkpointing what the forward saves for backward is the layers' inputs
+    and two more of their size in fp32 (the final norm's, the head's input), so no chunk's logits are kept."""
+    a = grpo.parse_args(["--model", qwen_width_dir, "--max-new-tokens", "16", "--dtype", "bf16",
+                         "--gradient-checkpointing", "--prompts-per-step", "2", "--num-generations", "4"])
+    model, tok, _ = grpo.load_model(a, torch.device("cpu"))
+    V, H, MLP, layers = 151936, 896, 4864, 2
+    texts = [grpo.chat_prompt(tok, q, "") for q in ("1+1?", "2+3?")]
+    P = 24 if compiled else len(tok(texts[0]).input_ids)  # the compiled sampler's shape pads the prompt to 24
+    sampler = grpo.make_sampler(model, a, P, 8, compiled=True) if compiled else None
+    torch.manual_seed(0)
+    with Largest() as sampling:
+        prompts, comps, truncated, logps, _, _ = grpo.generate(model, tok, texts, 4, a, sampler=sampler)
+    assert len(comps) == 8 and sampling.top[0] <= max(8 * V * 4, 8 * P * MLP * 4) < 8 * 2 * V * 4, sampling.top
+    groups = [dict(prompt_ids=p, completions=comps[i * 4:(i + 1) * 4], truncated=truncated[i * 4:(i + 1) * 4],
+                   is_teacher=[False] * 4, rewards=torch.tensor([1.0, 0, 0, 1]), order=i, per_fn={},
+                   sampler_logp=logps[i * 4:(i + 1) * 4]) for i, p in enumerate(prompts)]
+    saved = []
+    def pack(x):
+        saved.append(x.untyped_storage().nbytes())
+        return x
+    with Largest() as training, torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        m = grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), groups, a)
+    tokens = sum(map(len, comps))
+    assert m["train/rows"] == 8 and tokens * V * 4 > training.top[0] == 2 ** 24 // V * V * 4, training.top
+    L = max(map(len, prompts)) + max(map(len, comps))  # the rows' length in the step
+    assert 0 < sum(saved) <= (layers + 2) * 8 * L * H * 4, (sum(saved), max(saved))
 
 
 @pytest.mark.parametrize("lora_r", ["16", "0"])
