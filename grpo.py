@@ -500,10 +500,12 @@ def completion_mask(ids: torch.Tensor, eos_ids) -> torch.Tensor:
     first = torch.where(is_eos.any(1), is_eos.int().argmax(1), ids.shape[1])  # (N,)
     return torch.arange(ids.shape[1], device=ids.device)[None] <= first[:, None]
 
-def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False, sampler=None, tools=None):
+def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False, sampler=None, tools=None,
+             temps=None):
     """n completions a prompt, to EOS or T tokens; --tools: a turn that ends in calls gets their results
     (tool_turn) and draws on, T tokens in all. -> prompt ids, completions, truncated (not ended by the model's
-    EOS), the sampler's log-probs (NaN: a tool's, or greedy), tool masks (0: a tool's token), the calls."""
+    EOS), the sampler's log-probs (NaN: a tool's), tool masks (0: a tool's token), the calls. temps: a
+    prompt's temperature (a's if None)."""
     eos = model.generation_config.eos_token_id
     prompts = [torch.tensor(ids) for ids in tok(texts, add_special_tokens=not tok.chat_template).input_ids]
     pieces = [[] for _ in range(len(texts) * n)]  # a row's (tokens, sampler log-probs, tool mask), in order
@@ -512,7 +514,8 @@ def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False
     while todo:
         held = [torch.cat([prompts[i // n]] + [ids for ids, _, _ in pieces[i]]) for i in todo]
         room = [a.max_new_tokens - len(h) + len(prompts[i // n]) for i, h in zip(todo, held)]  # what T leaves
-        drawn, logp = sample(model, tok, held, max(room), a, greedy, sampler)
+        row_temps = temps and [temps[i // n] for i in todo]  # each row's prompt's
+        drawn, logp = sample(model, tok, held, max(room), a, greedy, sampler, row_temps)
         going = []
         for i, ids, lp, m, left in zip(todo, drawn, logp, completion_mask(drawn, eos), room):
             turn = ids[m][:left]  # up to its first EOS, within T
@@ -552,7 +555,6 @@ def sample(model, tok, held: list[torch.Tensor], new_tokens: int, a: Args, greed
     eos = torch.tensor(model.generation_config.eos_token_id, device=dev)
     out = torch.zeros(N, new_tokens, dtype=torch.long, device=dev)  # (N, C): the tokens drawn
     logp = torch.zeros(N, new_tokens, device=dev)  # (N, C): their log-probs
-    done = torch.zeros(N, dtype=torch.bool, device=dev)
     sampler["cache"].reset()  # zeros, in place: the compiled step reads the same tensors every call
     model.eval()
     with torch.no_grad(), autocast(a, dev):
@@ -560,8 +562,7 @@ def sample(model, tok, held: list[torch.Tensor], new_tokens: int, a: Args, greed
         for t in range(new_tokens):
             token, logp[:, t] = step(model, sampler["cache"], x, pos, pads, temp, a.top_k, a.top_p)
             out[:, t] = token  # copied: a compiled step's outputs are overwritten by its next call
-            done |= torch.isin(token, eos)
-            if t % 16 == 15 and done.all():
+            if t % 16 == 15 and torch.isin(out[:n, :t + 1], eos).any(1).all():  # every row has ended
                 break
             x, pos, step = out[:, t:t + 1], pos[-1:] + 1, sampler["step"]
     model.train()
@@ -582,15 +583,14 @@ def decode_step(model, cache, ids, pos, pads, temp, top_k: int, top_p: float):
     hidden = model.get_decoder()(ids, mask, (pos - pads).clamp(min=0), cache,  # (by place: 5.24 renames it)
                                  use_cache=True).last_hidden_state[:, -1]  # (N, H): the last position's
     logits = model.get_output_embeddings()(hidden).float()  # (N, V)
-    hot = temp > 0
-    scores = logits / torch.where(hot, temp, 1.0)
+    scores = logits / torch.where(temp > 0, temp, 1.0)
     logp = scores.log_softmax(-1)
     if top_k:  # transformers' own, in generate's order
         scores = TopKLogitsWarper(top_k)(ids, scores)
     if top_p < 1:
         scores = TopPLogitsWarper(top_p)(ids, scores)
     drawn = (scores.softmax(-1) / torch.empty_like(scores).exponential_()).argmax(-1)  # ~ softmax, no sync
-    token = torch.where(hot[:, 0], drawn, logits.argmax(-1))  # (N,)
+    token = torch.where(temp[:, 0] > 0, drawn, logits.argmax(-1))  # (N,)
     return token, logp.gather(-1, token[:, None])[:, 0]
 
 def longest_prompt(model, tok, a: Args, train, evals, every: bool, tools=None) -> int:  # of those it reads
@@ -614,13 +614,11 @@ def make_sampler(model, a: Args, prompt_len: int, rows: int, compiled: bool = Fa
     static KV cache (transformers'), kept for the run. compiled: decode_step compiled once for every position
     and call, reading the weights in place; None (each call's own, uncompiled) for two runs (README)."""
     from transformers import StaticCache
-    step = decode_step
     if compiled and (a.load_in_4bit or a.lora_r == 0 and use_bf16(a, model.device)):  # see "Design notes"
         print("grpo: note: QLoRA, and full fine-tuning in bf16, sample uncompiled", file=sys.stderr)
         return None
-    if compiled:  # on CUDA one graph, replayed; on a CPU traced, without generated code
-        kw = dict(mode="reduce-overhead") if model.device.type == "cuda" else dict(backend="eager")
-        step = torch.compile(decode_step, dynamic=False, **kw)
+    kw = dict(mode="reduce-overhead") if model.device.type == "cuda" else dict(backend="eager")  # CUDA graphs
+    step = torch.compile(decode_step, dynamic=False, **kw) if compiled else decode_step  # (CPU: traced)
     cache = StaticCache(config=model.config, max_cache_len=prompt_len + a.max_new_tokens)
     return dict(prompt_len=prompt_len, rows=rows, cache=cache, step=step)
 
@@ -822,8 +820,9 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, state, sampler=None, 
         drawn = draw(stream, a, state)[0][rank::world]  # whole groups per rank
         t0 = time.time()
         texts = [prompt_text(tok, ex, a, tools) for ex in drawn]
+        temps = [ex.get("temperature", a.temperature) for ex in drawn]  # FORKER: a prompt's own, set in draw
         prompts, comps, truncated, logps, masks, calls = generate(model, tok, texts, G_s, a, sampler=sampler,
-                                                                  tools=tools)
+                                                                  tools=tools, temps=temps)
         t1 = time.time()
         texts = model_text(tok, comps, masks)
         rewards, per_fn, _ = score(texts, [ex for ex in drawn for _ in range(G_s)], [len(c) for c in comps],
@@ -832,7 +831,7 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, state, sampler=None, 
             rows = slice(i * G_s, (i + 1) * G_s)
             picks = random.sample(pool[ex["prompt"]], a.teacher_per_group) if pool else []
             generated.append(dict(
-                prompt=ex["prompt"], answer=ex["answer"], prompt_ids=prompts[i],
+                prompt=ex["prompt"], answer=ex["answer"], prompt_ids=prompts[i], temperature=temps[i],
                 order=(rounds - 1) * a.prompts_per_step + rank + i * world,  # in the step's prompts
                 completions=comps[rows] + [ids for _, ids, _ in picks],
                 texts=texts[rows] + [text for text, _, _ in picks],
@@ -903,32 +902,37 @@ def collate(groups: list[dict], pad_id: int, device) -> dict:
                  per_fn=torch.tensor(per_fn or [[]])[:len(rows)],  # (N, K), (0, 0) with no row
                  order=torch.tensor([g["order"] for g, _ in rows], dtype=torch.long),  # the group's place
                  truncated=torch.tensor([bool(g["truncated"][i]) for g, i in rows], dtype=torch.bool),
+                 temperature=torch.tensor([[g.get("temperature", math.nan)] for g, _ in rows]),  # (N, 1)
                  is_teacher=torch.tensor([bool(g["is_teacher"][i]) for g, i in rows], dtype=torch.bool))
     return {k: v.to(device) for k, v in batch.items()}
 
 # ----------------------------------------------------------------------------- log-probs: the step's inputs
-def token_logps(model, input_ids, attention_mask, n_completion: int, temperature: float = 1.0):
-    """Log-probs and entropy (N, C) of the last C tokens from one forward, both with gradient."""
+def token_logps(model, input_ids, attention_mask, n_completion: int, temperature=1.0):
+    """Log-probs and entropy (N, C) of the last C tokens from one forward, both with gradient, at the
+    temperature (a number, or a row's, (N, 1))."""
     pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
                                  use_cache=False).last_hidden_state[:, -n_completion - 1:-1]  # (N, C, H)
     head = model.get_output_embeddings()
     hidden = hidden.reshape(-1, hidden.shape[-1])  # (N*C, H)
     targets = input_ids[:, -n_completion:].reshape(-1)  # (N*C,)
-    def chunk(h, tgt):  # (n, H), (n,) -> logp, entropy (n,): hidden state t predicts token t+1
-        logits = head(h).float() / temperature  # (n, V)
+    temps = torch.as_tensor(temperature, device=hidden.device).expand(len(input_ids), n_completion)  # (N, C)
+    def chunk(h, tgt, temp):  # (n, H), (n,), (n,) -> logp, entropy (n,): hidden state t predicts token t+1
+        logits = head(h).float() / temp[:, None]  # (n, V)
         lse = logits.logsumexp(-1)
         entropy = lse - (logits.softmax(-1) * logits).sum(-1)  # from the same logits: no extra pass
         return logits.gather(-1, tgt[:, None])[:, 0] - lse, entropy
     n = max(1, 2 ** 24 // head.weight.shape[0])  # tokens a chunk, recomputed in backward: no (N, C, V) logits
-    pieces = [checkpoint(chunk, h, t, use_reentrant=False) for h, t in zip(hidden.split(n), targets.split(n))]
+    pieces = [checkpoint(chunk, *x, use_reentrant=False)
+              for x in zip(hidden.split(n), targets.split(n), temps.reshape(-1).split(n))]
     logp, entropy = zip(*pieces)
     return torch.cat(logp).view(len(input_ids), -1), torch.cat(entropy).view(len(input_ids), -1)
 
 def policy_logps(model, batch: dict, idx: list[int], a: Args):  # -> logp, entropy (n, C) of the rows idx
     with autocast(a, batch["mask"].device):
         C = batch["mask"].shape[1]
-        return token_logps(model, batch["input_ids"][idx], batch["attention_mask"][idx], C, a.temperature)
+        temp = batch["temperature"][idx].nan_to_num(a.temperature)  # the row's (its record's), else a's
+        return token_logps(model, batch["input_ids"][idx], batch["attention_mask"][idx], C, temp)
 
 def step_inputs(model, ref_model, batch: dict, names: set, a: Args):
     """batch[name] (N, C) for each step input a term reads (probe), in micro-batches. FORKER: another input (a

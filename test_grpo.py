@@ -3148,7 +3148,7 @@ def scripted(tok, script, held=None, logp=-0.5):
     token at log-prob `logp`, padded after; `held` gets what each call's rows held (a prompt and all after it)."""
     turns = iter(script)
 
-    def sample(model, tok_, rows, new_tokens, a, greedy=False, sampler=None):
+    def sample(model, tok_, rows, new_tokens, a, greedy=False, sampler=None, temps=None):
         if held is not None:
             held.append([r.tolist() for r in rows])
         drawn = [tok(t, add_special_tokens=False).input_ids + [tok.eos_token_id] for t in next(turns)]
@@ -3439,8 +3439,8 @@ def forced_calls(tok, every=2):
     real = grpo.sample
     call = tok(CALL.format("17*23"), add_special_tokens=False).input_ids + [tok.eos_token_id]
 
-    def sample(model, tok_, held, new_tokens, a, greedy=False, sampler=None):
-        drawn, logp = real(model, tok_, held, new_tokens, a, greedy, sampler)
+    def sample(model, tok_, held, new_tokens, a, greedy=False, sampler=None, temps=None):
+        drawn, logp = real(model, tok_, held, new_tokens, a, greedy, sampler, temps)
         drawn = torch.cat([drawn, torch.full((len(drawn), len(call)), tok.pad_token_id)], 1)
         logp = torch.cat([logp, torch.zeros(len(drawn), len(call))], 1)
         for r, h in enumerate(held):
@@ -4132,7 +4132,7 @@ def test_a_schedule_in_at_step_reaches_the_sampler_and_the_trainer_alike(tiny_di
         used.append(("sampler", a.temperature))
         return sample(model, tok, held, new_tokens, a, *args, **kw)
     def trainer(*args):
-        used.append(("trainer", args[-1]))
+        used.append(("trainer", round(float(args[-1].max()), 4)))  # (a row's temperature, (N, 1))
         return token_logps(*args)
     monkeypatch.setattr(grpo, "at_step", scheduled)
     monkeypatch.setattr(grpo, "sample", sampling)
@@ -4142,6 +4142,24 @@ def test_a_schedule_in_at_step_reaches_the_sampler_and_the_trainer_alike(tiny_di
     assert sorted(set(used)) == [("sampler", 0.6), ("sampler", 1.4), ("trainer", 0.6), ("trainer", 1.4)]
     assert all(r["sampler/logp_gap"] < 1e-4 for r in metrics(out))
     assert json.load(open(out + "/checkpoint/grpo_args.json"))["temperature"] == 1.0
+
+
+def test_a_prompt_s_own_temperature_reaches_the_sampler_and_the_trainer_alike(tiny_dir, tmp_path, monkeypatch):
+    """A temperature a prompt is one place: draw gives a record its "temperature" (0.5 and 2, alternately). Each
+    row is sampled at its prompt's, and the trainer's log-probs read the row's, so the sampler's log-probs are
+    the trainer's (a trainer at --temperature 1 for every row would be tenths of a nat off)."""
+    real, sample, used = grpo.draw, grpo.sample, []
+    def draw(stream, a, state):
+        prompts, words = real(stream, a, state)
+        return [{**ex, "temperature": [0.5, 2.0][i % 2]} for i, ex in enumerate(prompts)], words
+    def sampling(model, tok, held, new_tokens, a, greedy=False, sampler=None, temps=None):
+        used.append(sorted(set(temps)))
+        return sample(model, tok, held, new_tokens, a, greedy, sampler, temps)
+    monkeypatch.setattr(grpo, "draw", draw)
+    monkeypatch.setattr(grpo, "sample", sampling)
+    out = str(tmp_path / "out")
+    main(["--model", tiny_dir, "--output-dir", out, "--max-steps", "2"] + TINY + ["--eval-every", "0"])
+    assert used == [[0.5, 2.0]] * 2 and all(r["sampler/logp_gap"] < 1e-4 for r in metrics(out))
 
 
 CURRICULUM = ["--reward-fn", "rw.py:solved_or_digits", "--rewards", "correct", "--no-overlong-penalty"]
