@@ -2,7 +2,7 @@
 torchrun (nccl), the 2025-26 variants and tool calls, a few steps each in bf16 on a random model of Qwen2.5-0.5B's shape
 (24 layers, vocab 151,936), with the compiled sampler (QLoRA samples uncompiled: bitsandbytes' layers do not
 compile), then bench/speed.py --device cuda against TRL. Prints one table; the sampler's log-prob gap to the
-trainer is a column.
+trainer and each phase's peak memory (torch's allocator: memory/generate_gib, memory/train_gib) are columns.
 
     pip install -r requirements.txt -r bench/requirements.txt
     python bench/gpu_check.py                 # about 10 minutes on one H100
@@ -39,8 +39,8 @@ def force_calls(grpo):
     import torch
     real = grpo.sample
 
-    def sample(model, tok, held, new_tokens, a, greedy=False, sampler=None):
-        drawn, logp = real(model, tok, held, new_tokens, a, greedy, sampler)
+    def sample(model, tok, held, new_tokens, a, greedy=False, sampler=None, temps=None):
+        drawn, logp = real(model, tok, held, new_tokens, a, greedy, sampler, temps)
         call = torch.tensor(tok(FORCED_CALL, add_special_tokens=False).input_ids + [tok.eos_token_id])
         for r, h in enumerate(held):
             if r % 2 == 0 and "<tool_response>" not in tok.decode(h) and drawn.shape[1] >= len(call):
@@ -102,21 +102,22 @@ def main():
         p = subprocess.run(cmd, capture_output=True, text=True, env=env)
         wall = time.time() - t0
         if p.returncode:
-            row = f"| {name} | FAILED: {(p.stderr.strip().splitlines() or ['?'])[-1][:120]} | | | | | |"
+            row = f"| {name} | FAILED: {(p.stderr.strip().splitlines() or ['?'])[-1][:120]} | | | | | | | |"
             print(row, p.stderr[-3000:], sep="\n", flush=True)
             return row
         m = [r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if r["step"]]  # step 0: eval only
         calls = f" ({m[-1]['tools/calls']:g} calls a completion)" if "tools/calls" in m[-1] else ""
         row = (f"| {name} | ok{calls} | {wall:.0f} | {sum(r['time/generate'] for r in m) / len(m):.2f} | "
                f"{sum(r['time/train'] for r in m) / len(m):.2f} | {m[-1].get('grad/norm', 0):.3g} | "
-               f"{max(r.get('sampler/logp_gap', 0) for r in m):.3g} |")
+               f"{max(r.get('sampler/logp_gap', 0) for r in m):.3g} | "
+               + " | ".join(f"{max(r.get(f'memory/{k}_gib', 0) for r in m):.2f}" for k in ("generate", "train")) + " |")
         print(row, flush=True)
         return row
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         rows = list(pool.map(one, runs(tmp)))
     print("\n| run | result | wall s (3 steps, load included) | generate s/step | train s/step | last grad norm "
-          "| max sampler/logp_gap |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+          "| max sampler/logp_gap | peak GiB sampling | peak GiB training |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     print("\n".join(rows))
     if not args.no_speed:
         subprocess.run([sys.executable, os.path.join(ROOT, "bench", "speed.py"), "--device", "cuda", "--reps", "2",

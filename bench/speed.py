@@ -23,7 +23,8 @@ always get 0 for every completion, so about 40% of groups have all-equal rewards
 Each contender runs in its own child process, interleaved A B C A B C ..., `--reps` times, each
 time `--steps` timed steps after one untimed warm-up step. Printed: the median seconds per 1k
 completion tokens, the ratio to TRL and to the floor, and peak memory (max RSS of the child; on
-CUDA, the peak of torch's allocator).
+CUDA, the peak of torch's allocator, and grpo.py's peak while sampling and while training apart). A child
+never outlives the benchmark (killed with it, and with all it started).
 
 On a GPU: grpo.py samples with its compiled static-cache sampler (`--compile-generate auto`), TRL runs
 twice, with its default sampler and with its fastest one short of vLLM (transformers' continuous
@@ -32,11 +33,13 @@ gives its milliseconds per decode step beside the bandwidth limit (every bf16 we
 plus the KV cache, at --bandwidth TB/s: an H100 SXM's HBM3 is 3.35).
 """
 import argparse
+import ctypes
 import importlib.util
 import json
 import math
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
@@ -96,9 +99,11 @@ def child_grpo(model_dir, workload, steps, device, tmp):
                SYSTEM, "--output-dir", out, "--dtype", DTYPE, "--beta", "0", "--compile-generate", COMPILE]
               + (["--gradient-checkpointing"] if GC else []))
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][1:]
-    # whole step; and the sampler's seconds per decode step (generate runs until the longest completion ends)
+    # whole step; the sampler's seconds per decode step (generate runs until the longest completion ends); and
+    # on CUDA each phase's peak memory in MiB (torch's allocator: sampling and rewards, then the training step)
     return [(r["completion/tokens"] / r["tokens_per_second"], r["completion/tokens"],
-             r["time/generate"] / r["groups/gen_rounds"] / r["completion/max_length"]) for r in rows]
+             r["time/generate"] / r["groups/gen_rounds"] / r["completion/max_length"],
+             1024 * r.get("memory/generate_gib", math.nan), 1024 * r.get("memory/train_gib", math.nan)) for r in rows]
 
 
 def child_trl(model_dir, workload, steps, device, tmp, fastest=False):
@@ -182,6 +187,23 @@ def bandwidth_limit_ms(model_dir, rows, new_tokens, tb_per_s):
     return 1000 * (weights + kv) / (tb_per_s * 1e12)
 
 
+def run_child(cmd):
+    """A contender's process, which never outlives this one: the kernel kills it if this process dies (even by
+    SIGKILL), and it and all it started (compile workers) are killed as it ends, or as this process is stopped."""
+    def die_with_parent():
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         preexec_fn=die_with_parent)
+    try:
+        err = p.communicate()[1]
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return p.returncode, err
+
+
 def peak_memory_mb(device):
     if device == "cuda":
         return torch.cuda.max_memory_allocated() / 2 ** 20
@@ -206,6 +228,8 @@ def main():
     p.add_argument("--bandwidth", type=float, default=3.35, help="GPU memory bandwidth, TB/s (H100 SXM: 3.35)")
     p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)  # NAME WORKLOAD MODEL_DIR RESULT.json
     args = p.parse_args()
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # a stop runs run_child's clean-up, as Ctrl-C does
+        signal.signal(sig, lambda s, f: sys.exit(128 + s))
     global GC, B, G, T, SYSTEM, DTYPE, PROMPTS, COMPILE
     GC, COMPILE = not args.no_gc, args.compile_generate
     DTYPE = args.dtype or ("fp32" if args.device == "cpu" else "bf16")
@@ -229,21 +253,21 @@ def main():
         B, G, T = map(int, shape.split("x"))
         limit = bandwidth_limit_ms(model_dir, B * G, T, args.bandwidth)
         per_1k, rep_medians = {n: [] for n in children}, {n: [] for n in children}
-        peak, decode = {n: 0.0 for n in children}, []
+        peak, decode, phases = {n: 0.0 for n in children}, [], []
         for rep in range(args.reps):
             for name in children:  # interleaved: A B C A B C ...
                 result = os.path.join(tmp, "result.json")
-                p = subprocess.run([sys.executable, os.path.abspath(__file__)] + sys.argv[1:]
-                                   + ["--shapes", shape, "--child", name, workload, model_dir, result],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                if p.returncode:  # e.g. a TRL without continuous batching: that row says so, the others go on
-                    print(f"  {name} failed: {p.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+                code, err = run_child([sys.executable, os.path.abspath(__file__)] + sys.argv[1:]
+                                       + ["--shapes", shape, "--child", name, workload, model_dir, result])
+                if code:  # e.g. a TRL without continuous batching: that row says so, the others go on
+                    print(f"  {name} failed: {err.strip().splitlines()[-1:]}", file=sys.stderr)
                     continue
                 r = json.load(open(result))
                 per_1k[name] += [1000 * s[0] / s[1] for s in r["steps"]]
                 rep_medians[name].append(statistics.median(1000 * s[0] / s[1] for s in r["steps"]))
                 peak[name] = max(peak[name], r["peak_mb"])
                 decode += [1000 * s[2] for s in r["steps"] if len(s) > 2]
+                phases += [s[3:] for s in r["steps"] if len(s) > 3]
                 print(f"  {workload} rep {rep + 1}: {name} {statistics.median(per_1k[name]):.3f} s/1k tokens",
                       file=sys.stderr, flush=True)
         med = {n: statistics.median(v) if v else math.nan for n, v in per_1k.items()}
@@ -260,7 +284,9 @@ def main():
                          f"| {med[n] / med.get('floor', math.nan):.2f}x | {peak[n]:.0f} |")
         if decode and args.device == "cuda":
             lines.append(f"grpo.py's sampler: {statistics.median(decode):.2f} ms per decode step (median); the "
-                         f"bandwidth limit is {limit:.2f} ms (weights + KV cache read once at {args.bandwidth} TB/s)")
+                         f"bandwidth limit is {limit:.2f} ms (weights + KV cache read once at {args.bandwidth} TB/s); "
+                         f"peak memory by phase: sampling {max(p[0] for p in phases):.0f} MiB, training "
+                         f"{max(p[1] for p in phases):.0f} MiB")
         print("\n".join(lines[-(len(children) + 3 + (decode != [] and args.device == "cuda")):]), flush=True)
     versions = {m: importlib.util.find_spec(m) and __import__(m).__version__ or "not installed"
                 for m in ("torch", "transformers", "peft", "trl")}
