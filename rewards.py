@@ -260,6 +260,56 @@ REWARDS = {"correct": correct, "correct_pm1": correct_pm1, "format": r1_format, 
            "cosine": cosine, "repetition": repetition}
 
 
+# ------------------------------------------------------------------------------ a reward model
+def reward_model(path: str, system: str = "", batch: int = 8, device="cpu", bf16=False, four_bit=False):
+    """A sequence classifier of one label as a reward, as TRL's reward_funcs=ID (_calculate_rewards): its
+    logit for the chat (`system` if any, the record's prompt, the completion as the assistant's turn) as the
+    classifier's own chat template renders it (without one: prompt + completion), right padded, `batch` rows
+    a forward, read at the last token that is not padding. It lives on `device` for the run, in bf16 (else
+    fp32; NF4 with four_bit, as the policy's weights), never trained. -> fn(completions, records): their
+    scores, all of a step's completions in one call (fn.batched, for grpo.score). ValueError: a checkpoint
+    that is not such a classifier, or a tokenizer with ids past its embedding (another model's)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, BitsAndBytesConfig
+    config = AutoConfig.from_pretrained(path)
+    kinds = config.architectures or ["a config with no architecture"]
+    if not any(kind.endswith("ForSequenceClassification") for kind in kinds):
+        raise ValueError(f"{kinds[0]} is not a sequence classifier (its score head would be random)")
+    if config.num_labels != 1:
+        raise ValueError(f"a classifier of {config.num_labels} labels: a reward model has one, the score")
+    tok = AutoTokenizer.from_pretrained(path)
+    vocab = config.get_text_config().vocab_size
+    if len(tok) > vocab:
+        raise ValueError(f"its tokenizer has {len(tok)} tokens, its embedding {vocab}: another model's")
+    tok.pad_token = tok.pad_token or tok.eos_token  # as TRL; the score is read at the last token but padding
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    kw = dict(dtype=dtype, device_map={"": device})
+    if four_bit:
+        kw["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                       bnb_4bit_use_double_quant=True,
+                                                       bnb_4bit_compute_dtype=dtype)
+    model = AutoModelForSequenceClassification.from_pretrained(path, **kw).eval().requires_grad_(False)
+    model.config.pad_token_id = tok.pad_token_id
+    head = [{"role": "system", "content": system}] if system else []
+
+    @torch.no_grad()
+    def score(completions: list[str], records: list[dict], **_) -> list[float]:  # (_: a record's fields)
+        pairs = [(r["prompt"], c) for r, c in zip(records, completions)]
+        texts = [p + c for p, c in pairs]  # as TRL's for a prompt that is not a chat
+        if tok.chat_template:
+            chats = [head + [{"role": "user", "content": p}, {"role": "assistant", "content": c}]
+                     for p, c in pairs]
+            texts = tok.apply_chat_template(chats, tokenize=False)
+        out = []
+        for i in range(0, len(texts), batch):
+            enc = tok(texts[i:i + batch], return_tensors="pt", padding=True, padding_side="right",
+                      add_special_tokens=False).to(model.device)
+            out += model(**enc, use_cache=False).logits[:, 0].float().tolist()
+        return out
+    score.batched = True
+    return score
+
+
 # ------------------------------------------------------------------------------ the built-in tool
 CALCULATOR_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
                   ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
