@@ -2000,10 +2000,10 @@ def test_paths_are_saved_absolute(tmp_path, tiny_dir):
     os.chdir(tmp_path)
     try:
         a = grpo.parse_args(["--reward-fn", "rw.py:r", "--model", os.path.relpath(tiny_dir), "--dataset",
-                             "gsm8k@test", "--eval-dataset", "gsm8k:main@test"])
+                             "gsm8k@test", "--eval-dataset", "gsm8k:main@test", "--reward-model", "gsm8k"])
     finally:
         os.chdir(here)
-    assert a.reward_fn == f"{tmp_path}/rw.py:r" and a.model == tiny_dir
+    assert a.reward_fn == f"{tmp_path}/rw.py:r" and a.model == tiny_dir and a.reward_model == f"{tmp_path}/gsm8k"
     assert (a.dataset, a.eval_dataset) == (f"{tmp_path}/gsm8k@test", f"{tmp_path}/gsm8k:main@test")  # DIR[:CONFIG][@SPLIT]
     assert grpo.parse_args(["--model", "Qwen/Qwen2.5-0.5B-Instruct"]).model == "Qwen/Qwen2.5-0.5B-Instruct"
 
