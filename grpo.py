@@ -484,16 +484,17 @@ def at_step(a: Args, state: dict, step: int) -> Args:
     t = dataclasses.replace(a, learning_rate=a.learning_rate * min(1, step / max(1, a.warmup_steps)))
     return t
 
-def chat_prompt(tok, prompt: str, system: str, tools: dict | None = None) -> str:
+def chat_prompt(tok, prompt: str, system: str, tools: dict | None = None, reply: str | None = None) -> str:
     if not tok.chat_template:
-        return prompt
+        return prompt + (reply or "")
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": prompt})
-    schemas = tools and tools["schemas"]  # --tools: shown as the model was trained to read them
-    return tok.apply_chat_template(messages, tools=schemas, tokenize=False, add_generation_prompt=True)
+    messages += [{"role": "assistant", "content": reply}] if reply is not None else []  # a reward model reads
+    shown = tools and tools["schemas"]  # --tools: the schemas, as the model was trained to read them
+    return tok.apply_chat_template(messages, tools=shown, tokenize=False, add_generation_prompt=reply is None)
 
-def prompt_text(tok, ex: dict, a: Args, tools: dict | None = None) -> str:  # a record's: sampled, evaluated
-    return chat_prompt(tok, ex["prompt"], a.system_prompt, tools)  # FORKER: a record's own system prompt here
+def prompt_text(tok, ex: dict, a: Args, tools=None, reply=None) -> str:  # sampled, evaluated, --reward-model
+    return chat_prompt(tok, ex["prompt"], a.system_prompt, tools, reply)  # FORKER: a record's system prompt
 
 def completion_mask(ids: torch.Tensor, eos_ids) -> torch.Tensor:
     """ids (N, C) -> mask (N, C): 1 up to and including the first EOS (an action to learn), 0 after."""
@@ -703,8 +704,8 @@ def build_rewards(a: Args) -> list[tuple[str, object, float]]:
     if a.reward_model:  # on this rank's device, in the policy's dtype (bf16 or fp32; NF4 with --load-in-4bit)
         device = setup_distributed()[2]
         try:
-            known["model"] = reward_model(a.reward_model, a.system_prompt, a.micro_batch_size, device,
-                                          use_bf16(a, device), a.load_in_4bit)
+            known["model"] = reward_model(a.reward_model, functools.partial(prompt_text, a=a),
+                                          a.micro_batch_size, device, use_bf16(a, device), a.load_in_4bit)
         except (OSError, ValueError) as e:  # not there; not a classifier of one label
             fail(f"--reward-model {a.reward_model!r}: {str(e).splitlines()[0]}")
     fns = []
@@ -735,7 +736,6 @@ def build_rewards(a: Args) -> list[tuple[str, object, float]]:
 def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns, a: Args, calls=None):
     """Rewards (n,), each function's values, and --dry-run's words for what is added. A function gets the
     completion, the answer and, as keywords, the example's other fields (as TRL's) and reward_keywords."""
-    total = torch.zeros(len(texts))
     per_fn = {}
     for name, fn, weight in reward_fns:
         rows = zip(texts, examples, lengths, calls or [[]] * len(texts))
@@ -750,7 +750,7 @@ def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns
         for v in itertools.filterfalse(finite32, values):  # the first value that is no reward stops the run
             fail(f"reward {name!r} returned {v!r:.60}: a reward is a number, finite in float32")
         per_fn[name] = torch.tensor([float(v) for v in values])
-        total += weight * per_fn[name]
+    total = sum((weight * per_fn[name] for name, _, weight in reward_fns), torch.zeros(len(texts)))
     words = ""
     if a.overlong_penalty:  # DAPO §3.4, L_max = T
         total += torch.tensor([overlong_penalty(n, a.max_new_tokens, a.overlong_buffer) for n in lengths])

@@ -265,14 +265,15 @@ REWARDS = {"correct": correct, "correct_pm1": correct_pm1, "format": r1_format, 
 
 
 # ------------------------------------------------------------------------------ a reward model
-def reward_model(path: str, system: str = "", batch: int = 8, device="cpu", bf16=False, four_bit=False):
+def reward_model(path: str, render, batch: int = 8, device="cpu", bf16=False, four_bit=False):
     """A sequence classifier of one label as a reward, as TRL's reward_funcs=ID (_calculate_rewards): its
-    logit for the chat (`system` if any, the record's prompt, the completion as the assistant's turn) as the
-    classifier's own chat template renders it (without one: prompt + completion), right padded, `batch` rows
-    a forward, read at the last token that is not padding. It lives on `device` for the run, in bf16 (else
-    fp32; NF4 with four_bit, as the policy's weights), never trained. -> fn(completions, records): their
-    scores, all of a step's completions in one call (fn.batched, for grpo.score). ValueError: a checkpoint
-    that is not such a classifier, or a tokenizer with ids past its embedding (another model's)."""
+    logit for the chat, render(tok, record, reply=completion) (grpo.prompt_text: the prompt as the policy
+    read it, then the completion as the assistant's turn) in the classifier's own chat template (without one:
+    prompt + completion), right padded, `batch` rows a forward, read at the last token that is not padding. It
+    lives on `device` for the run, in bf16 (else fp32; NF4 with four_bit, as the policy's weights), never
+    trained. -> fn(completions, records): their scores, all of a step's completions in one call (fn.batched,
+    for grpo.score). ValueError: a checkpoint that is not such a classifier, or a tokenizer with ids past its
+    embedding (another model's)."""
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, BitsAndBytesConfig
     config = AutoConfig.from_pretrained(path)
@@ -294,16 +295,10 @@ def reward_model(path: str, system: str = "", batch: int = 8, device="cpu", bf16
                                                        bnb_4bit_compute_dtype=dtype)
     model = AutoModelForSequenceClassification.from_pretrained(path, **kw).eval().requires_grad_(False)
     model.config.pad_token_id = tok.pad_token_id
-    head = [{"role": "system", "content": system}] if system else []
 
     @torch.no_grad()
     def score(completions: list[str], records: list[dict], **_) -> list[float]:  # (_: a record's fields)
-        pairs = [(r["prompt"], c) for r, c in zip(records, completions)]
-        texts = [p + c for p, c in pairs]  # as TRL's for a prompt that is not a chat
-        if tok.chat_template:
-            chats = [head + [{"role": "user", "content": p}, {"role": "assistant", "content": c}]
-                     for p, c in pairs]
-            texts = tok.apply_chat_template(chats, tokenize=False)
+        texts = [render(tok, r, reply=c) for r, c in zip(records, completions)]
         out = []
         for i in range(0, len(texts), batch):
             enc = tok(texts[i:i + batch], return_tensors="pt", padding=True, padding_side="right",
