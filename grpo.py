@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from rewards import REWARDS, calculator, is_correct, overlong_penalty, reference_answer
+from rewards import REWARDS, calculator, is_correct, overlong_penalty, reference_answer, reward_model
 
 
 def dash(name: str) -> str:
@@ -108,6 +108,7 @@ class Args:
     tool_timeout: float = flag(10.0, "seconds a call may run, then its process is killed", bounds="(0, inf)")
     rewards: str = flag("correct", "built-in rewards, weighted: correct:1,format:0.2 (rewards.py)")  # reward
     reward_fn: str = flag("", "your own reward, PATH.py:FUNCTION; used alone unless --rewards is given")
+    reward_model: str = flag("", "a reward model: a sequence classifier (ID or PATH), --rewards' model:W")
     overlong_penalty: bool = flag(False, "DAPO §3.4 soft overlong punishment added to the reward")
     overlong_buffer: int = flag(0, "L_cache in tokens for the overlong penalty (0: T // 5)")
     kl_in_reward: float = flag(0.0, "β: R_i -= β Σ_t log π_old/π_ref before the advantage (RLOO's KL)")
@@ -167,7 +168,7 @@ NEEDS = {  # a flag -> the flag it acts with (not at its default), or the values
     "surrogate sapo", "sapo_tau_neg": "surrogate sapo", "cov_kl_coef": "surrogate kl_cov", "cov_ratio":
     "surrogate clip_cov kl_cov", "cov_low": "surrogate clip_cov", "cov_high": "surrogate clip_cov",
     "max_tool_calls": "tools", "tool_timeout": "tools", "kl_target": "kl_in_reward"}
-PATHS = ("model", "dataset", "eval_dataset", "reward_fn", "teacher_pool", "tools")  # may move on --resume
+PATHS = ("model", "dataset", "eval_dataset", "reward_fn", "reward_model", "teacher_pool", "tools")  # may move
 RESUMABLE = {"resume", "overwrite", "output_dir", "max_steps", "save_every", "eval_every", "eval_prompts",
              "eval_samples", "log_samples", "wandb_project", "compile_generate", "dry_run", *PATHS,
              "micro_batch_size", "gradient_checkpointing"}  # memory only (clip_cov, kl_cov: per micro-batch)
@@ -483,16 +484,17 @@ def at_step(a: Args, state: dict, step: int) -> Args:
     t = dataclasses.replace(a, learning_rate=a.learning_rate * min(1, step / max(1, a.warmup_steps)))
     return t
 
-def chat_prompt(tok, prompt: str, system: str, tools: dict | None = None) -> str:
+def chat_prompt(tok, prompt: str, system: str, tools: dict | None = None, reply: str | None = None) -> str:
     if not tok.chat_template:
-        return prompt
+        return prompt + (reply or "")
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": prompt})
-    schemas = tools and tools["schemas"]  # --tools: shown as the model was trained to read them
-    return tok.apply_chat_template(messages, tools=schemas, tokenize=False, add_generation_prompt=True)
+    messages += [{"role": "assistant", "content": reply}] if reply is not None else []  # a reward model reads
+    shown = tools and tools["schemas"]  # --tools: the schemas, as the model was trained to read them
+    return tok.apply_chat_template(messages, tools=shown, tokenize=False, add_generation_prompt=reply is None)
 
-def prompt_text(tok, ex: dict, a: Args, tools: dict | None = None) -> str:  # a record's: sampled, evaluated
-    return chat_prompt(tok, ex["prompt"], a.system_prompt, tools)  # FORKER: a record's own system prompt here
+def prompt_text(tok, ex: dict, a: Args, tools=None, reply=None) -> str:  # sampled, evaluated, --reward-model
+    return chat_prompt(tok, ex["prompt"], a.system_prompt, tools, reply)  # FORKER: a record's system prompt
 
 def completion_mask(ids: torch.Tensor, eos_ids) -> torch.Tensor:
     """ids (N, C) -> mask (N, C): 1 up to and including the first EOS (an action to learn), 0 after."""
@@ -719,13 +721,23 @@ def parse_rewards(spec: str) -> list[tuple[str, str, float]]:
     return out
 
 def build_rewards(a: Args) -> list[tuple[str, object, float]]:
+    known = dict(REWARDS)
+    if bool(a.reward_model) != ("model" in [name for name, _, _ in parse_rewards(a.rewards)]):
+        fail("--reward-model and the reward `model` go together: --reward-model ID --rewards model:0.5")
+    if a.reward_model:  # on this rank's device, in the policy's dtype (bf16 or fp32; NF4 with --load-in-4bit)
+        device = setup_distributed()[2]
+        try:
+            known["model"] = reward_model(a.reward_model, functools.partial(prompt_text, a=a),
+                                          a.micro_batch_size, device, use_bf16(a, device), a.load_in_4bit)
+        except (OSError, ValueError) as e:  # not there; not a classifier of one label
+            fail(f"--reward-model {a.reward_model!r}: {str(e).splitlines()[0]}")
     fns = []
     for name, written, weight in parse_rewards(a.rewards):
-        if name not in REWARDS:
+        if name not in known:
             fail(f"--rewards: unknown reward {name!r}; built-ins are {', '.join(REWARDS)}")
         if not finite32(weight):
             fail(f"--rewards: weight {written!r} of {name!r} is not a number finite in float32")
-        fns.append((name, REWARDS[name], weight))
+        fns.append((name, known[name], weight))
     if a.reward_fn:
         path, _, name = a.reward_fn.rpartition(":")
         if not path.endswith(".py") or not os.path.isfile(path):
@@ -747,20 +759,21 @@ def build_rewards(a: Args) -> list[tuple[str, object, float]]:
 def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns, a: Args, calls=None):
     """Rewards (n,), each function's values, and --dry-run's words for what is added. A function gets the
     completion, the answer and, as keywords, the example's other fields (as TRL's) and reward_keywords."""
-    total = torch.zeros(len(texts))
     per_fn = {}
     for name, fn, weight in reward_fns:
-        values = []
-        for text, ex, n, c in zip(texts, examples, lengths, calls or [[]] * len(texts)):
-            fields = {k: v for k, v in ex.items() if k != "answer"}
-            try:
-                values.append(fn(text, ex["answer"], **fields, **reward_keywords(a, n, c)))
-            except (Exception, SystemExit) as e:  # a user's reward: say which one and why, then stop
-                fail(f"reward {name!r} raised {type(e).__name__}: {e}")
-            if not finite32(values[-1]):
-                fail(f"reward {name!r} returned {values[-1]!r:.60}: a reward is a number, finite in float32")
+        rows = zip(texts, examples, lengths, calls or [[]] * len(texts))
+        try:
+            if getattr(fn, "batched", False):  # rewards.reward_model: the completions in one call
+                values = fn(texts, examples)
+            else:
+                values = [fn(text, ex["answer"], **{k: v for k, v in ex.items() if k != "answer"},
+                             **reward_keywords(a, n, c)) for text, ex, n, c in rows]
+        except (Exception, SystemExit) as e:  # a user's reward: say which one and why, then stop
+            fail(f"reward {name!r} raised {type(e).__name__}: {e}")
+        for v in itertools.filterfalse(finite32, values):  # the first value that is no reward stops the run
+            fail(f"reward {name!r} returned {v!r:.60}: a reward is a number, finite in float32")
         per_fn[name] = torch.tensor([float(v) for v in values])
-        total += weight * per_fn[name]
+    total = sum((weight * per_fn[name] for name, _, weight in reward_fns), torch.zeros(len(texts)))
     words = ""
     if a.overlong_penalty:  # DAPO §3.4, L_max = T
         total += torch.tensor([overlong_penalty(n, a.max_new_tokens, a.overlong_buffer) for n in lengths])

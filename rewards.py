@@ -1,5 +1,6 @@
 """Reward functions for grpo.py: answer extraction, math correctness, format, length-scaled
-correctness (cosine), n-gram repetition, overlong shaping; and `calculator`, the built-in tool (--tools).
+correctness (cosine), n-gram repetition, overlong shaping; a reward model (`reward_model`, --reward-model);
+and `calculator`, the built-in tool (--tools).
 
 A reward is `fn(completion: str, answer: str, **kw) -> float`: the completion text
 (special tokens stripped), the reference answer (for GSM8K the number after
@@ -11,12 +12,15 @@ record with a field of that name is refused, never passed to it. `REWARDS` maps
 the names that `--rewards correct:1,format:0.2` accepts to these functions. Add
 yours there, or pass `--reward-fn my_file.py:my_fn` without touching this file. A
 reward that grades against the answer is marked `@reads_answer`: grpo.py then
-refuses records whose answer is empty.
+refuses records whose answer is empty. A reward model is a sequence classifier
+(`reward_model`, the reward `model` with `--reward-model ID_OR_PATH`): marked
+`batched`, it scores all of a step's completions in one call, as TRL's does.
 
 Model text is never eval'd or exec'd (the calculator walks Python's parse tree). Every regex here is linear-time and
 every answer and number is capped in length, so adversarial text (megabytes of
 digits, nested braces, unicode) returns a finite float quickly. The standard
-library only; `math_verify` (optional) imports its package when first called.
+library only; `math_verify` (optional) imports its package when first called,
+`reward_model` torch and transformers.
 """
 import ast
 import math
@@ -258,6 +262,51 @@ def repetition(completion: str, answer: str, *, ngram_size: int = 3, max_penalty
 
 REWARDS = {"correct": correct, "correct_pm1": correct_pm1, "format": r1_format, "math_verify": math_verify,
            "cosine": cosine, "repetition": repetition}
+
+
+# ------------------------------------------------------------------------------ a reward model
+def reward_model(path: str, render, batch: int = 8, device="cpu", bf16=False, four_bit=False):
+    """A sequence classifier of one label as a reward, as TRL's reward_funcs=ID (_calculate_rewards): its
+    logit for the chat, render(tok, record, reply=completion) (grpo.prompt_text: the prompt as the policy
+    read it, then the completion as the assistant's turn) in the classifier's own chat template (without one:
+    prompt + completion), right padded, `batch` rows a forward, read at the last token that is not padding. It
+    lives on `device` for the run, in bf16 (else fp32; NF4 with four_bit, as the policy's weights), never
+    trained. -> fn(completions, records): their scores, all of a step's completions in one call (fn.batched,
+    for grpo.score). ValueError: a checkpoint that is not such a classifier, or a tokenizer with ids past its
+    embedding (another model's)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, BitsAndBytesConfig
+    config = AutoConfig.from_pretrained(path)
+    kinds = config.architectures or ["a config with no architecture"]
+    if not any(kind.endswith("ForSequenceClassification") for kind in kinds):
+        raise ValueError(f"{kinds[0]} is not a sequence classifier (its score head would be random)")
+    if config.num_labels != 1:
+        raise ValueError(f"a classifier of {config.num_labels} labels: a reward model has one, the score")
+    tok = AutoTokenizer.from_pretrained(path)
+    vocab = config.get_text_config().vocab_size
+    if len(tok) > vocab:
+        raise ValueError(f"its tokenizer has {len(tok)} tokens, its embedding {vocab}: another model's")
+    tok.pad_token = tok.pad_token or tok.eos_token  # as TRL; the score is read at the last token but padding
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    kw = dict(dtype=dtype, device_map={"": device})
+    if four_bit:
+        kw["quantization_config"] = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                                       bnb_4bit_use_double_quant=True,
+                                                       bnb_4bit_compute_dtype=dtype)
+    model = AutoModelForSequenceClassification.from_pretrained(path, **kw).eval().requires_grad_(False)
+    model.config.pad_token_id = tok.pad_token_id
+
+    @torch.no_grad()
+    def score(completions: list[str], records: list[dict], **_) -> list[float]:  # (_: a record's fields)
+        texts = [render(tok, r, reply=c) for r, c in zip(records, completions)]
+        out = []
+        for i in range(0, len(texts), batch):
+            enc = tok(texts[i:i + batch], return_tensors="pt", padding=True, padding_side="right",
+                      add_special_tokens=False).to(model.device)
+            out += model(**enc, use_cache=False).logits[:, 0].float().tolist()
+        return out
+    score.batched = True
+    return score
 
 
 # ------------------------------------------------------------------------------ the built-in tool

@@ -1582,6 +1582,97 @@ def test_a_reward_named_twice_is_refused(tmp_path):
     assert [n for n, _, _ in grpo.build_rewards(grpo.parse_args(["--reward-fn", mine]))] == ["correct"]
 
 
+def trl_reward_model_scores(path, prompts, completions):
+    """TRL 1.16's own scoring with a reward model: GRPOTrainer._calculate_rewards (trl/trainer/grpo_trainer.py
+    l. 1579) on a trainer made without __init__ (no hub, no accelerator), the classifier and its tokenizer set up
+    as __init__ does (l. 558: from_pretrained(num_labels=1); l. 599-603: pad token, the config's pad_token_id)."""
+    from types import SimpleNamespace
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from trl import GRPOTrainer
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
+    tok = AutoTokenizer.from_pretrained(path)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    model.config.get_text_config().pad_token_id = tok.pad_token_id
+    trainer = GRPOTrainer.__new__(GRPOTrainer)
+    cpu = torch.device("cpu")
+    trainer.reward_funcs, trainer.reward_processing_classes, trainer.reward_func_names = [model], [tok], ["rm"]
+    trainer.accelerator = SimpleNamespace(device=cpu, is_main_process=True)
+    trainer.args = SimpleNamespace(device=cpu, report_to=[])  # (Trainer._prepare_inputs, profiling_context)
+    trainer.state, trainer.environments, trainer.is_deepspeed_enabled = SimpleNamespace(global_step=0), None, False
+    trainer.chat_template_kwargs, trainer._log_completion_extra, trainer._log_metric = {}, None, None
+    inputs = [{"prompt": p} for p in prompts]
+    return trainer._calculate_rewards(inputs, prompts, completions, [[0]] * len(prompts))[:, 0]
+
+
+@pytest.mark.parametrize("template", [True, False])
+def test_a_reward_model_scores_as_trl_s_grpo_trainer(tiny_dir, tmp_path, template):
+    """--reward-model's score of each completion a run logs is TRL's for the same chat (the system prompt, the
+    prompt, the completion as the assistant's turn, rendered by the classifier's own template) to 1e-6, in
+    micro-batches of 3 right-padded rows; a classifier with no chat template scores prompt + completion, as TRL
+    does a prompt that is no chat. Weighed into the reward as --rewards says."""
+    rm = tiny.make_tiny(str(tmp_path / "rm"), labels=1, seed=1, chat_template=tiny.CHAT_TEMPLATE if template else None)
+    out = str(tmp_path / "out")
+    main(["--model", tiny_dir, "--reward-model", rm, "--rewards", "correct, model:0.5", "--max-steps", "1",
+          "--output-dir", out, "--log-samples", "2"] + TINY)
+    samples = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
+    assert len(samples) == 8 and len({len(s["completion"]) for s in samples}) > 1
+    prompts = [s["prompt"] for s in samples]
+    completions = [s["completion"] for s in samples]
+    if template:
+        prompts = [[{"role": "system", "content": grpo.Args.system_prompt}, {"role": "user", "content": p}]
+                   for p in prompts]
+        completions = [[{"role": "assistant", "content": c}] for c in completions]
+    want = trl_reward_model_scores(rm, prompts, completions)
+    got = torch.tensor([s["rewards"]["model"] for s in samples])
+    assert (got - want).abs().max() < 1e-6 and want.std() > 1e-3
+    assert [s["reward"] for s in samples] == pytest.approx([s["rewards"]["correct"] + s["rewards"]["model"] / 2
+                                                            for s in samples])
+
+
+def test_a_reward_model_is_loaded_as_the_policy_and_frozen(tmp_path, monkeypatch):
+    """On the policy's device, in its dtype (bf16 with --dtype bf16, fp32 on a CPU by default), NF4 weights with
+    --load-in-4bit (bitsandbytes' Linear4bit, as QLoRA's policy); never trained: eval mode, no parameter that
+    takes a gradient. Its scores are the fp32 classifier's up to the rounding."""
+    from transformers import AutoModelForSequenceClassification
+    rm = tiny.make_tiny(str(tmp_path / "rm"), labels=1)
+    loaded, load = [], AutoModelForSequenceClassification.from_pretrained
+    def spy(*args, **kw):
+        loaded.append(load(*args, **kw))
+        return loaded[-1]
+    monkeypatch.setattr(AutoModelForSequenceClassification, "from_pretrained", spy)
+    texts, records = ["\\boxed{3}", "I think it is 3, or 4."], [{"prompt": "1+2?", "answer": "3"}] * 2
+    scores = {}
+    for extra in ([], ["--dtype", "bf16"], ["--dtype", "bf16", "--load-in-4bit"]):
+        fns = grpo.build_rewards(grpo.parse_args(["--reward-model", rm, "--rewards", "model"] + extra))
+        scores[len(extra)] = grpo.score(texts, records, [3, 9], fns, grpo.parse_args([]))[1]["model"]
+        model = loaded[-1]
+        assert not model.training and not any(p.requires_grad for p in model.parameters())
+        assert model.device.type == "cpu" and model.dtype == (torch.bfloat16 if extra else torch.float32)
+        assert any(type(m).__name__ == "Linear4bit" for m in model.modules()) == ("--load-in-4bit" in extra)
+    assert torch.allclose(scores[2], scores[0], atol=2e-2) and not torch.equal(scores[2], scores[0])
+    assert torch.allclose(scores[3], scores[0], atol=0.1) and not torch.equal(scores[3], scores[2])
+
+
+def test_a_bad_reward_model_is_refused_at_start_in_one_line(tiny_dir, tmp_path):
+    """Not a classifier (a causal LM: TRL would put a random score head on it), more than one label, a tokenizer
+    with more tokens than its embedding (another model's), a missing path, and `model` in --rewards without
+    --reward-model or the reverse: each one line, before anything trains."""
+    two = tiny.make_tiny(str(tmp_path / "two"), labels=2)
+    other = tiny.make_tiny(str(tmp_path / "other"), labels=1)
+    tiny.make_tokenizer(vocab_size=400).save_pretrained(other)
+    path = "--reward-model '.*': "
+    together = "--reward-model and the reward `model` go together: --reward-model ID --rewards model:0.5"
+    for argv, says in [([tiny_dir], path + r"Qwen2ForCausalLM is not a sequence classifier \(its score head would"),
+                       ([two], path + "a classifier of 2 labels: a reward model has one, the score"),
+                       ([other], path + "its tokenizer has 400 tokens, its embedding 26[0-9]: another model's"),
+                       ([str(tmp_path / "nowhere")], path + ".*nowhere"),  # (as --model's: a hub id would be read)
+                       ([other, "--rewards", "correct"], together), (["", "--rewards", "model:2"], together)]:
+        with pytest.raises(SystemExit, match=f"^grpo: error: {says}") as e:
+            grpo.build_rewards(grpo.parse_args(["--rewards", "correct,model", "--reward-model"] + argv))
+        assert "\n" not in str(e.value)
+
+
 
 @pytest.mark.parametrize("expression, want", [
     ("(12 + 3) * -4 / 5", "-12.0"), ("7 // 2 + 7 % 3", "4"), ("2 ** -2", "0.25"), ("-(2 ** 10) - 1", "-1025"),
@@ -1827,7 +1918,7 @@ def test_dry_run_reads_no_model_and_runs_no_reward(tmp_path, capsys):
 
 # run-keeping, data, the model's parametrisation and the optimizer: flags that leave the objective as it is
 NOT_THE_OBJECTIVE = {"algo", "model", "output_dir", "resume", "overwrite", "max_steps", "seed", "dry_run",
-                     "teacher_pool",  # a file's path
+                     "teacher_pool", "reward_model",  # a file's path (`model` in --rewards shows the latter)
                      "save_every", "wandb_project", "log_samples", "dataset", "eval_dataset", "max_samples",
                      "eval_every", "eval_prompts", "eval_samples", "system_prompt", "compile_generate",
                      "skip_zero_variance", "lora_r", "lora_alpha", "lora_dropout", "load_in_4bit", "dtype",
@@ -1911,10 +2002,10 @@ def test_paths_are_saved_absolute(tmp_path, tiny_dir):
     os.chdir(tmp_path)
     try:
         a = grpo.parse_args(["--reward-fn", "rw.py:r", "--model", os.path.relpath(tiny_dir), "--dataset",
-                             "gsm8k@test", "--eval-dataset", "gsm8k:main@test"])
+                             "gsm8k@test", "--eval-dataset", "gsm8k:main@test", "--reward-model", "gsm8k"])
     finally:
         os.chdir(here)
-    assert a.reward_fn == f"{tmp_path}/rw.py:r" and a.model == tiny_dir
+    assert a.reward_fn == f"{tmp_path}/rw.py:r" and a.model == tiny_dir and a.reward_model == f"{tmp_path}/gsm8k"
     assert (a.dataset, a.eval_dataset) == (f"{tmp_path}/gsm8k@test", f"{tmp_path}/gsm8k:main@test")  # DIR[:CONFIG][@SPLIT]
     assert grpo.parse_args(["--model", "Qwen/Qwen2.5-0.5B-Instruct"]).model == "Qwen/Qwen2.5-0.5B-Instruct"
 

@@ -3,7 +3,7 @@ import itertools
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -61,17 +61,19 @@ def make_tokenizer(chat_template=CHAT_TEMPLATE, pad="<|endoftext|>", vocab_size=
 QWEN25_05B = dict(vocab=151936, hidden=896, heads=14, kv_heads=2, intermediate=4864)  # 24 layers in the real one
 
 
-def make_tiny(path, layers=2, hidden=64, seed=0, vocab=0, heads=4, kv_heads=2, intermediate=0, **tok_kw):
+def make_tiny(path, layers=2, hidden=64, seed=0, vocab=0, heads=4, kv_heads=2, intermediate=0, labels=0, **tok_kw):
     """A random Qwen2 and its tokenizer saved to path. tiny.make_tiny(path, layers=2, **tiny.QWEN25_05B)
-    has Qwen2.5-0.5B's widths (vocabulary, hidden, heads, MLP) with fewer layers."""
+    has Qwen2.5-0.5B's widths (vocabulary, hidden, heads, MLP) with fewer layers. labels > 0: a sequence
+    classifier with that many (a reward model has one: --reward-model) instead of a causal LM."""
     torch.manual_seed(seed)
     tok = make_tokenizer(vocab_size=vocab, **tok_kw)
     cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
                       num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                       max_position_embeddings=4096, tie_word_embeddings=True, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id)
-    model = Qwen2ForCausalLM(cfg)
-    model.generation_config.eos_token_id = tok.eos_token_id
+                      pad_token_id=tok.pad_token_id, num_labels=labels or 2)
+    model = Qwen2ForSequenceClassification(cfg) if labels else Qwen2ForCausalLM(cfg)
+    if not labels:
+        model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
