@@ -3637,6 +3637,7 @@ def test_compiled_sampler_reads_this_step_s_weights_and_compiles_once(loaded):
             m = grpo.train_step(model, None, opt, groups, a)
             assert m["sampler/logp_gap"] < 1e-4  # sampled at the weights the trainer starts the step from
             grpo.generate(model, tok, texts[:1], 1, a, greedy=True, sampler=sampler)  # evaluation's: same shape
+            grpo.sample(model, tok, prompts[:1], 3, a, sampler=sampler)  # a tool turn's: fewer rows and tokens
             prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a,
                                                              sampler=sampler)[:4]
             now, mask = trainer_logps(model, tok, a, prompts, comps, 4)
