@@ -566,7 +566,7 @@ def sample(model, tok, held: list[torch.Tensor], new_tokens: int, a: Args, greed
             out[:, t] = token  # copied: a compiled step's outputs are overwritten by its next call
             if t % 16 == 15 and torch.isin(out[:n, :t + 1], eos).any(1).all():  # every row has ended
                 break
-            x, pos, step = out[:, t:t + 1].contiguous(), pos[-1:] + 1, sampler["step"]  # (a stride: a graph)
+            x, pos, step = out[:, t:t + 1].contiguous(), pos[-1:] + 1, sampler["step"]  # (strides: guarded)
     model.train()
     if not logp[:, :t + 1].isfinite().all():  # (a drawn token's: a -inf logit is never drawn)
         fail("the model's logits are not finite: training diverged; lower --learning-rate")
