@@ -38,6 +38,7 @@ import tiny
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY = ["--max-new-tokens", "12", "--prompts-per-step", "2", "--num-generations", "4", "--eval-prompts", "4",
         "--eval-every", "2", "--micro-batch-size", "3", "--learning-rate", "1e-3"]
+NO_EVAL = TINY[:6] + TINY[10:]  # for a --dataset without an --eval-dataset, where evaluation flags are refused
 TIMING = ("time/", "tokens_per_second")
 
 
@@ -1682,7 +1683,7 @@ def test_impossible_flags_fail_with_a_sentence(argv, says):
     (["--algo", "dapo", "--adv-estimator", "gdpo"], "the overlong penalty have no parts: drop them"),
 ])
 def test_a_flag_typed_where_it_does_nothing_is_refused_naming_what_to_add(argv, says):
-    """A flag the user typed where it acts on nothing (NEEDS) is refused in one line naming what it needs; a clip_cov
+    """A flag the user typed where it acts on nothing (its needs) is refused in one line naming what it needs; a clip_cov
     range that holds nothing, and a preset's overlong penalty that gdpo cannot split, name what to change."""
     with pytest.raises(SystemExit, match=says):
         grpo.parse_args(argv)
@@ -1707,11 +1708,12 @@ def test_only_what_was_typed_is_refused_not_a_preset_s_or_a_saved_run_s_value(tm
         grpo.parse_args(["--output-dir", str(tmp_path), "--resume", "--scale", "none"])
 
 
-def test_a_needs_row_names_a_number_value_or_a_partner_whose_default_is_true(monkeypatch):
-    """NEEDS' partner is on when it is not at its default (not when it is truthy: --eps-high defaults to 0.2), and
-    a value in the table is matched as written (--num-iterations 2 is the int 2, the table's '2' a string)."""
-    monkeypatch.setitem(grpo.NEEDS, "tis_mode", "num_iterations 2 3")
-    monkeypatch.setitem(grpo.NEEDS, "tis_min", "eps_high")
+def test_a_flag_s_partner_names_a_number_value_or_a_partner_whose_default_is_true(monkeypatch):
+    """A flag's partner (flag's needs) is on when it is not at its default (not when it is truthy: --eps-high
+    defaults to 0.2), and a value is matched as written (--num-iterations 2 is the int 2, the declared '2' a string)."""
+    for name, needs in (("tis_mode", "num_iterations 2 3"), ("tis_min", "eps_high")):
+        field = grpo.Args.__dataclass_fields__[name]
+        monkeypatch.setattr(field, "metadata", {**field.metadata, "needs": needs})
     grpo.parse_args(["--tis-mode", "token_mask", "--num-iterations", "2"])
     grpo.parse_args(["--tis-min", "0.5", "--eps-high", "0.28"])
     with pytest.raises(SystemExit, match="--tis-mode does nothing without --num-iterations 2 or --num-iterations 3"):
@@ -1758,7 +1760,7 @@ def test_a_flag_outside_its_choices_fails_with_them(flag, value, choices, capsys
     assert f"argument {flag}: invalid choice: '{value}'" in err and all(c in err for c in choices.split())
 
 
-def test_dry_run_prints_the_objective_then_the_flags(capsys):
+def test_dry_run_prints_the_objective_then_the_flags(capsys, tmp_path):
     grpo.main(["--algo", "drgrpo", "--dry-run"])
     out = capsys.readouterr().out
     assert out.startswith("loss = Σ_i Σ_t ℓ_i,t / (n_seq·256),  Σ_t over m_i,t = 1 up to and including the first EOS\n"
@@ -1792,8 +1794,9 @@ def test_dry_run_prints_the_objective_then_the_flags(capsys):
         assert "(no A is 0)" in out and "those of equal rewards trained: their A is not 0\n" in out
     grpo.main(["--algo", "drgrpo", "--dry-run", "--kl-in-reward", "0.1"])  # equal rewards less unequal KLs
     assert "those of equal rewards trained: their A is not 0\n" in capsys.readouterr().out
-    grpo.main(["--algo", "drgrpo", "--dry-run", "--teacher-pool", "p.jsonl", "--teacher-per-group", "2",
-               "--split-grads"])
+    (tmp_path / "p.jsonl").touch()  # (a path that is not there is refused, as a real run refuses it)
+    grpo.main(["--algo", "drgrpo", "--dry-run", "--teacher-pool", str(tmp_path / "p.jsonl"), "--teacher-per-group",
+               "2", "--split-grads"])
     out = capsys.readouterr().out
     assert "first EOS; ∇ = g_s + g_t, the student's and the teacher's rows backpropagated apart\n" in out
 
@@ -1816,10 +1819,10 @@ def test_dry_run_says_what_the_step_does_with_an_equal_reward_group(kw):
 
 
 def test_dry_run_reads_no_model_and_runs_no_reward(tmp_path, capsys):
-    """--dry-run renders the objective from made-up numbers: a --model that is not there and a reward file that
-    would raise are not touched."""
+    """--dry-run renders the objective from made-up numbers: a --model directory with no model in it and a reward
+    file that would raise are not touched."""
     (tmp_path / "rw.py").write_text("raise RuntimeError('imported')\n")
-    grpo.main(["--model", str(tmp_path / "nowhere"), "--reward-fn", f"{tmp_path}/rw.py:f", "--dry-run"])
+    grpo.main(["--model", str(tmp_path), "--reward-fn", f"{tmp_path}/rw.py:f", "--dry-run"])
     assert "R_i = " + f"{tmp_path}/rw.py:f" in capsys.readouterr().out
 
 
@@ -1848,7 +1851,7 @@ def switched_on(f, v):
 def test_dry_run_shows_every_flag_that_changes_the_objective():
     """Each flag the objective depends on changes --dry-run's formula where it acts: a new flag is shown there,
     or listed above as leaving the objective as it is. A number flag is turned on inside its bounds, beside the flag it
-    acts with (NEEDS) switched on."""
+    acts with (its needs) switched on."""
     every_term = grpo.Args(dynamic_sampling=True, overlong_penalty=True, overlong_buffer=10, soft_reweight=True,
                            beta=0.1, teacher_pool="pool.jsonl", teacher_per_group=2, split_grads=True,
                            top_k_groups=2, mask_truncated=True, tis=2.0, dual_clip=3.0, num_iterations=2,
@@ -1861,7 +1864,7 @@ def test_dry_run_shows_every_flag_that_changes_the_objective():
     for f in grpo.dataclasses.fields(grpo.Args):
         if f.name in NOT_THE_OBJECTIVE:
             continue
-        on, *values = grpo.NEEDS.get(f.name, "dry_run").split()  # the flag it acts with (NEEDS), on
+        on, *values = (f.metadata["needs"] or "dry_run").split()  # the flag it acts with, on
         kind = type(getattr(grpo.Args, on))
         partner = [kind(v) for v in values] or switched_on(grpo.Args.__dataclass_fields__[on], getattr(every_term, on))
         with_partner = bases + [replace(every_term, **{on: partner[0]})]
@@ -2204,7 +2207,7 @@ def test_a_prompt_with_no_room_for_t_tokens_is_refused_at_start_with_its_file_an
     short = '{"prompt": "q", "answer": "1"}'
     data = write(tmp_path / "d.jsonl", [short, "", long])
     evals = write(tmp_path / "e.jsonl", [short, long])
-    argv = ["--model", tiny_dir, "--output-dir", str(tmp_path / "out")] + TINY
+    argv = ["--model", tiny_dir, "--output-dir", str(tmp_path / "out")] + NO_EVAL
     for extra, where in ((["--dataset", data], f"{data}:3"), (["--eval-dataset", evals], f"{evals}:2")):
         with pytest.raises(SystemExit, match=f"^grpo: error: {where}: a prompt of {template + 4090} tokens, with "
                                              f"--max-new-tokens 12, is over the model's context .4096.: shorten it"):
@@ -3994,7 +3997,7 @@ def test_a_diverging_learning_rate_ends_in_one_line(tiny_dir, tmp_path):
 
 @pytest.mark.parametrize("case, says", [
     ("reward calls sys.exit", "reward 'r' raised SystemExit"),
-    ("reward file missing", "--reward-fn .*: expected an existing PATH.py:FUNCTION"),
+    ("reward file missing", "--reward-fn '.*nope.py:r': no such file or directory"),
     ("no such function", "--reward-fn: .*rw.py has no function 'nope'"),
     ("rewards weight nan", "--rewards: weight 'nan' of 'correct' is not a number finite in float32"),
     ("wandb missing", "--wandb-project: `pip install wandb`"),
@@ -4272,7 +4275,7 @@ def saves(tiny_dir, tmp_path_factory):
     where = tmp_path_factory.mktemp("saves")
     data = write(where / "data.jsonl", [json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)})
                                         for i in range(4)])
-    argv = ["--model", tiny_dir, "--dataset", data, "--eval-every", "0"] + TINY + ["--output-dir", str(where / "run")]
+    argv = ["--model", tiny_dir, "--dataset", data, "--eval-every", "0"] + NO_EVAL + ["--output-dir", str(where / "run")]
     main(argv + ["--max-steps", "1"])
     shutil.copytree(where / "run" / "checkpoint", where / "step1")
     main(argv + ["--max-steps", "2", "--resume"])
@@ -4636,7 +4639,7 @@ def test_each_rank_samples_and_draws_teachers_of_its_own_from_one_prompt_order(t
     def draws(rank, out):
         monkeypatch.setattr(grpo, "setup_distributed", lambda: (rank, 2, torch.device("cpu")))
         a = grpo.parse_args(["--model", tiny_dir, "--output-dir", str(tmp_path / out), "--dataset", data,
-                             "--teacher-pool", pool, "--teacher-per-group", "3"] + TINY)
+                             "--teacher-pool", pool, "--teacher-per-group", "3"] + NO_EVAL)
         run = grpo.start(a)
         order = [next(run.stream)["prompt"] for _ in range(12)]
         groups = grpo.rollout(run.model, run.tok, itertools.repeat(one), run.reward_fns, run.pool, a, run.state, None,
