@@ -62,9 +62,7 @@ def fail(msg: str):
 
 # ----------------------------------------------------------------------------- flags and presets
 def flag(default, help, choices=(), bounds="[0, inf)", needs=""):
-    """A flag: its default, also "off" (allowed whatever the bounds), help, choices, for a number the interval
-    it must lie in, and the flag it acts with: "tis" (on: off its default) or "surrogate clip_cov kl_cov" (at
-    one of these). check_args enforces both; the dry-run test turns the flag on inside them."""
+    """A flag: its default (also "off", whatever the bounds), help, choices, bounds, the flag it acts with."""
     return dataclasses.field(default=default, metadata=locals())  # its arguments: help, choices, ...
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
@@ -115,8 +113,7 @@ class Args:
     kl_target: float = flag(0.0, "adaptive β: moved to this KL a token (verl kl_ctrl)", needs="kl_in_reward")
     adv_estimator: str = flag("grpo", "grpo | rloo | reinforce_plus_plus_baseline | gdpo (verl's names)",
                               ("grpo", "rloo", "reinforce_plus_plus_baseline", "gdpo"))  # advantage
-    scale: str = flag("std", "grpo's R - mean_g: / std_g | none | / the step's std", ("std", "none", "batch"),
-                      needs="adv_estimator grpo")
+    scale: str = flag("std", "divides R - mean_g", ("std", "none", "batch"), needs="adv_estimator grpo")
     std_eps: float = flag(1e-6, "eps in the std scaling and in the soft weights", bounds="(0, inf)")
     soft_reweight: bool = flag(False, "Dr. GRPO+ soft: A *= std_g / max std over the step's groups")
     dynamic_sampling: bool = flag(False, "DAPO §3.2: keep groups of unequal rewards, sample again to refill")
@@ -236,14 +233,12 @@ def within(value, bounds: str) -> bool:  # bounds: an interval as written, "[0, 
     return above and (value <= high if bounds[-1] == "]" else value < high)
 
 def check_args(a: Args, typed=()):
-    """Flags that would misbehave silently, or fail late, fail here, the first found with what to change: each
-    flag as it declares (flag): a number outside its bounds (unless it is its default, "off"), a flag typed
-    (in `typed`; a preset's or a saved run's value is not) without the flag it acts with; then among flags."""
+    """Each flag as declared (flag; `typed`: not preset or saved), then among flags: the first wrong fails."""
     for f in dataclasses.fields(a):
         value = getattr(a, f.name)
         if type(value) in (int, float) and value != f.default and not within(value, f.metadata["bounds"]):
             fail(f"{dash(f.name)} must be in {f.metadata['bounds']}, not {value}")
-        on, *values = f.metadata["needs"].split() or [None]  # the partner: off at its default, or at no value
+        on, *values = f.metadata["needs"].split() or [None]  # on: "tis" off its default, "ratio token" at it
         off = on and (str(getattr(a, on)) not in values if values else getattr(a, on) == getattr(Args, on))
         if f.name in typed and off:
             needs = " or ".join(f"{dash(on)} {v}" for v in values) or dash(on)
@@ -344,7 +339,7 @@ def read_records(source: str, split: str) -> list[tuple[str, dict]]:
 
 def load_examples(source: str, split: str, graded: bool, reward_fns=(), keywords=None) -> list[dict]:
     """prompt/answer records or GSM8K's question/answer ('... #### N'); graded: a reward reads the answer."""
-    out, unread = [], []
+    out = []
     for where, rec in read_records(source, split):
         prompt = rec.get("question", rec.get("prompt"))
         answer = rec.get("answer")
@@ -357,8 +352,6 @@ def load_examples(source: str, split: str, graded: bool, reward_fns=(), keywords
         if not isinstance(prompt, str) or not prompt.strip() or bad:
             fail(f"{where}: each line needs a prompt (or GSM8K's question) and an answer (a string or a "
                  f"finite number; GSM8K's: '... #### N'), neither empty")
-        if graded and ("\n" in answer or len(answer) > MAX_ANSWER):  # a worked solution: `correct` reads
-            unread.append(f"{where}: {answer[:40]!r}...")  # the final answer alone
         out.append({**rec, "prompt": prompt, "answer": answer})
         fields = {k: v for k, v in out[-1].items() if k != "answer"}
         for name, fn, _ in reward_fns:  # bound as score() will call it: a field a reward needs is here
@@ -367,21 +360,19 @@ def load_examples(source: str, split: str, graded: bool, reward_fns=(), keywords
                 inspect.signature(fn).bind(answer, answer, **fields, **kw)
             except TypeError as e:  # a keyword the reward requires and the record lacks, or the reverse
                 fail(f"{where}: reward {name!r} cannot take this record's fields: {e}")
-    if unread:
-        fail(f"{source}: {len(unread)} of {len(out)} answers are no final answer `correct` can compare "
-             f"(several lines, or over {MAX_ANSWER} characters), e.g. {unread[0]}: end each in '#### N', as GSM8K's")
     return out
 
 def load_data(a: Args, reward_fns=()) -> tuple[list[dict], list[dict]]:
     graded = any(getattr(fn, "reads_answer", False) for _, fn, _ in reward_fns)  # rewards.reads_answer
-    evals = []
+    evals = load_examples(a.eval_dataset, "test", graded) if a.eval_dataset else []  # (no reward sees them)
     if a.dataset == "":
         train = arithmetic_task(20000, a.seed)
-        evals = [] if a.eval_dataset else arithmetic_task(a.eval_prompts, 0, held_out=True)
+        evals = evals or arithmetic_task(a.eval_prompts, 0, held_out=True)
     else:
         train = load_examples(a.dataset, "train", graded, reward_fns, reward_keywords(a, 0))
-    if a.eval_dataset:
-        evals = load_examples(a.eval_dataset, "test", graded)  # (no reward sees them)
+    unread = [ex["answer"] for ex in train + evals if "\n" in ex["answer"] or len(ex["answer"]) > MAX_ANSWER]
+    if graded and unread:  # a worked solution (GSM8K's without '#### N'): `correct` compares final answers
+        fail(f"{len(unread)} answers `correct` cannot read, e.g. {unread[0][:40]!r}: end each in '#### N'")
     return train[:a.max_samples or None], evals[:a.eval_prompts]
 
 def finite32(x) -> bool:  # a reward: a real number that float32 holds (a Python int may not even fit a float)
@@ -1510,8 +1501,7 @@ def start(a: Args):
     run = argparse.Namespace(  # state: the run's, live; done: it as the last step ended; saved: the last save
         rank=rank, world=world, device=device, model=model, tok=tok, ref_model=ref_model, opt=opt, bar=bar,
         sampler=sampler, reward_fns=reward_fns, pool=pool, evals=evals, stream=stream, start=state["step"],
-        state=state, done=dict(state), saved=state["step"], busy=False, stop=0, flat=0, bad_steps=0,
-        tools=tools)
+        state=state, done=dict(state), saved=state["step"], flat=0, bad_steps=0, tools=tools)
     if rank == 0:
         open_output(run, a)
     return run
@@ -1593,7 +1583,7 @@ def describe(a: Args) -> str:
     return "\n".join(lines + ["", textwrap.fill(flags, 100)])
 
 def main(argv=None):
-    run = argparse.Namespace(stop=0, rank=0, busy=False)  # start() fills it in; till then a signal stops it
+    run = argparse.Namespace(stop=0, rank=0, busy=False)  # on_signal reads it; start() fills in the rest
     on_signal(run)
     try:
         a = parse_args(argv)
