@@ -6,6 +6,7 @@ model in-process (gradients, log-probs, sampling); then whole runs of grpo.py, i
 and as a subprocess where a signal, torchrun or a fresh interpreter is what is tested."""
 import argparse
 import collections
+import contextlib
 import copy
 import decimal
 import errno
@@ -1722,6 +1723,17 @@ def test_a_flag_s_partner_names_a_number_value_or_a_partner_whose_default_is_tru
         grpo.parse_args(["--tis-min", "0.5"])
 
 
+def test_each_flag_s_declared_partner_is_a_flag_and_its_values_are_the_partner_s_choices():
+    """A flag declares the flag it acts with beside itself (flag's needs): a name that is no flag, or a value the
+    partner cannot take, would refuse the flag always (typed) or never. Each partner is a field, and each value one
+    of its choices."""
+    fields = grpo.Args.__dataclass_fields__
+    declared = {f.name: f.metadata["needs"].split() for f in fields.values() if f.metadata["needs"]}
+    assert {"tis_mode", "kl", "scale", "cov_ratio", "teacher_pool", "split_grads", "tool_timeout"} <= set(declared)
+    for name, (on, *values) in declared.items():
+        assert on in fields and set(values) <= set(fields[on].metadata["choices"]), (name, on, values)
+
+
 @pytest.mark.parametrize("flag, value, says", [
     ("--num-generations", "0", r"--num-generations must be in \(0, inf\), not 0"),
     ("--max-grad-norm", "-1", r"must be in \[0, inf\), not -1"), ("--temperature", "0", "--temperature must be in"),
@@ -1742,9 +1754,11 @@ def test_a_flag_s_partner_names_a_number_value_or_a_partner_whose_default_is_tru
     ("--cov-ratio", "5", r"--cov-ratio must be in \(0, 1\], not 5.0"),
     ("--cov-ratio", "0", r"--cov-ratio must be in \(0, 1\], not 0.0"),  # verl refuses 0 too (it selects >= 1 token)
     ("--tis", "0.5", r"--tis must be in \[1, inf\), not 0.5"), ("--tis-min", "1", r"--tis-min must be in \[0, 1\)"),
+    ("--top-entropy-quantile", "0", r"--top-entropy-quantile must be in \(0, 1\], not 0.0"),  # (0: one token trained)
 ])
-def test_out_of_range_flags_fail_with_their_name(flag, value, says):
-    extra = ["--teacher-pool", "p.jsonl", "--teacher-per-group", "2"] if flag == "--num-generations" else []
+def test_out_of_range_flags_fail_with_their_name(flag, value, says, tmp_path):
+    pool = ["--teacher-pool", write(tmp_path / "p.jsonl", []), "--teacher-per-group", "2"]  # (a path that is there)
+    extra = pool if flag == "--num-generations" else []
     with pytest.raises(SystemExit, match=says):
         grpo.parse_args([flag, value] + extra)
 
@@ -1816,6 +1830,90 @@ def test_dry_run_says_what_the_step_does_with_an_equal_reward_group(kw):
     assert said == words["equal"] and bool(flat[0]) == (row_adv[:2] == 0).all()  # flat: A = 0 there
     assert said == {(True, True): "(A = 0) skipped: ∇ℓ = 0 there", (True, False): "(A = 0) trained"}.get(
         (bool(flat[0]), skip), "trained: their A is not 0")
+
+
+def test_evaluation_flags_with_no_evaluation_set_are_refused(tmp_path):
+    """--dataset with no --eval-dataset holds no held-out prompts: --eval-every, --eval-samples and --eval-prompts
+    typed there do nothing, and are refused as any flag typed where it does nothing; with an evaluation set (an
+    --eval-dataset, or the built-in task's held-out problems) they act, and 0 (evaluation off) says what is so."""
+    data = write(tmp_path / "d.jsonl", ['{"prompt": "a", "answer": "1"}'])
+    for flag, value in (("--eval-every", "5"), ("--eval-samples", "4"), ("--eval-prompts", "8")):
+        with pytest.raises(SystemExit, match="^grpo: error: --eval-every, --eval-prompts and --eval-samples do nothing "
+                                             "without --eval-dataset: add it$"):
+            grpo.parse_args(["--dataset", data, flag, value])
+        assert getattr(grpo.parse_args(["--dataset", data, "--eval-dataset", data, flag, value]),
+                       flag[2:].replace("-", "_")) == int(value)
+        grpo.parse_args([flag, value])  # the built-in task's held-out problems
+    grpo.parse_args(["--dataset", data, "--eval-every", "0", "--eval-samples", "0"])
+
+
+def test_a_local_path_that_is_not_there_is_refused_alike_by_a_run_and_by_dry_run(tiny_dir, tmp_path):
+    """A tools file, dataset, reward file, teacher pool or model directory that is not there: one line, the same
+    from --dry-run (which reads none of them) as from a run, before anything loads. A path is what names a local
+    file (a .py or a dataset's suffix), starts with /, . or ~, or has a directory that is there; a mistyped one
+    (models/tny for models/tiny) is named as not there, not read as a hub id and its naming rules."""
+    (tmp_path / "models").mkdir()
+    for flag, value in (("--tools", "tools.py"), ("--dataset", "train.jsonl"), ("--reward-fn", "rw.py:f"),
+                        ("--model", "models/tny"), ("--model", "./tny"), ("--eval-dataset", "test.parquet"),
+                        ("--teacher-pool", "pool.jsonl")):
+        argv = ["--model", tiny_dir, "--output-dir", str(tmp_path / "out"), flag, value] + TINY
+        argv += ["--teacher-per-group", "2"] if flag == "--teacher-pool" else []
+        said = []
+        for extra in ([], ["--dry-run"]):
+            with pytest.raises(SystemExit) as e:
+                main(argv + extra, cwd=tmp_path)
+            said.append(str(e.value))
+        assert said[0] == said[1] == f"grpo: error: {flag} '{value}': no such file or directory"
+        assert not (tmp_path / "out").exists()
+    for flag, value in (("--model", "Qwen/Qwen2.5-0.5B-Instruct"), ("--dataset", "openai/gsm8k:main"),
+                        ("--tools", "calculator")):  # hub ids, and the built-in tool: no local path to look for
+        assert getattr(grpo.parse_args([flag, value]), flag[2:]) == value
+
+
+def test_answers_correct_cannot_read_are_counted_and_refused_at_start(tmp_path):
+    """GSM8K-style records whose answers lost their '#### N': the reference is the whole worked solution, which
+    `correct` compares with a completion's final answer, so no completion ever scores 1 (here not even the right
+    number, boxed). Where a reward reads the answer, they are refused at start-up, with how many and one of
+    them (several lines, or more than rewards.MAX_ANSWER characters: no final answer); with '#### N' they load,
+    and a run whose rewards read no answer takes them as they are."""
+    solution = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips in all."
+    assert R.correct("\\boxed{72}", solution) == 0 and R.correct("\\boxed{72}", "72") == 1
+    rows = [{"question": f"Q{i}?", "answer": solution} for i in range(3)] + [{"question": "Q?", "answer": "72"},
+                                                                            {"question": "L?", "answer": "7" * 301}]
+    data = write(tmp_path / "gsm.jsonl", [json.dumps(r) for r in rows])
+    a = grpo.parse_args(["--dataset", data])
+    with pytest.raises(SystemExit, match=r"^grpo: error: 4 answers `correct` cannot read, e.g. 'Natalia sold 48/2 = "
+                                         r"<<48/2=24>>24 clips ': end each in '#### N'$"):
+        grpo.load_data(a, grpo.build_rewards(a))
+    held_out = grpo.parse_args(["--eval-dataset", data])  # evaluation grades by `correct` too
+    with pytest.raises(SystemExit, match="^grpo: error: 4 answers `correct` cannot read"):
+        grpo.load_data(held_out, grpo.build_rewards(held_out))
+    fixed = write(tmp_path / "fixed.jsonl", [json.dumps({"question": "Q?", "answer": solution + "\n#### 72"})])
+    assert grpo.load_data(grpo.parse_args(["--dataset", fixed]), grpo.build_rewards(a))[0][0]["answer"] == "72"
+    shaped = grpo.parse_args(["--dataset", data, "--rewards", "format"])
+    assert grpo.load_data(shaped, grpo.build_rewards(shaped))[0][0]["answer"] == solution
+
+
+def test_dry_run_says_the_run_s_state_decides_an_equal_group_where_a_term_remembers(monkeypatch):
+    """A term with memory across steps, a fork of step_terms (a running baseline: A = R - b once b has history, so
+    an equal-reward group is trained then, and flagged flat only at the first step): probe's made-up numbers at
+    one step would say such groups are skipped; --dry-run says the run's state decides (naming what it keeps),
+    and what the first step does. A term whose state changes nothing of it (the KL's β) keeps its plain words."""
+    plain, step_terms = grpo.probe(grpo.Args())[2]["equal"], grpo.step_terms
+    def with_a_baseline(s, a, state):
+        made, stats, words = step_terms(s, a, state)
+        if "baseline" in state:  # history: A = R - b on every row, an equal group's too
+            adv = (s["reward"] - state["baseline"])[:, None]
+            made.update(adv=adv, row_adv=adv, flat=made["flat"] & False)
+        state["baseline"] = 0.9 * state.get("baseline", s["reward"].mean()) + 0.1 * s["reward"].mean()
+        return made, stats, words
+    monkeypatch.setattr(grpo, "step_terms", with_a_baseline)
+    said = f"as the run's state (baseline) has it; at the first step {plain}"
+    assert plain == "(A = 0) skipped: ∇ℓ = 0 there" and grpo.probe(grpo.Args())[2]["equal"] == said
+    assert f"those of equal rewards {said}\n" in grpo.describe(grpo.Args())
+    monkeypatch.undo()
+    for kw in (dict(kl_in_reward=0.1), dict(kl_in_reward=0.1, kl_target=0.01)):  # β: the run's state, too
+        assert grpo.probe(grpo.Args(**kw))[2]["equal"] == "trained: their A is not 0"
 
 
 def test_dry_run_reads_no_model_and_runs_no_reward(tmp_path, capsys):
@@ -2305,6 +2403,32 @@ def test_every_eos_id_of_the_model_ends_a_completion(eos_dir):
         assert ends == ([] if cut else [len(c) - 1]) and (len(c) == 12 or not cut) and len(lp) == len(c)
     ended_by = {c[-1].item() for c, cut in zip(comps, truncated) if not cut}
     assert len(ended_by - {tok.eos_token_id}) >= 2  # the model's other EOS ids end some
+
+
+def test_pi_old_and_the_reference_are_the_policy_at_its_temperature_over_several_updates(tiny_dir):
+    """With --num-iterations 2 the step computes π_old once, before its first update, and with --beta the
+    reference (the adapter off): both of logits / T at --temperature 0.7, as the policy's log-probs and the
+    sampler's are (else every ratio and KL is off by the temperature), here against a forward of the model done
+    by hand."""
+    a = grpo.parse_args(["--model", tiny_dir, "--beta", "0.1", "--num-iterations", "2", "--temperature", "0.7"]
+                        + TINY)
+    model, tok, _ = grpo.load_model(a, torch.device("cpu"))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n or "embed" in n:
+                p.normal_(std=0.5)  # an adapter that moves the policy off the reference; logits spread wide
+    groups = tiny.fixed_groups(tok, REWARDS, a)
+    batch = grpo.prepare(model, None, groups, a, {})[0]
+    ids, C, mask = batch["input_ids"], batch["mask"].shape[1], batch["mask"] > 0
+    pos = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    def logps(temperature, reference=False):
+        with torch.no_grad(), model.disable_adapter() if reference else contextlib.nullcontext():
+            logits = model(input_ids=ids, attention_mask=batch["attention_mask"], position_ids=pos).logits
+        return (logits[:, -C - 1:-1].float() / temperature).log_softmax(-1).gather(-1, ids[:, -C:, None])[..., 0]
+    for name, reference in (("old_logp", False), ("ref_logp", True)):
+        assert torch.allclose(batch[name][mask], logps(0.7, reference)[mask], atol=1e-4), name
+        assert (logps(1.0, reference) - logps(0.7, reference))[mask].abs().max() > 0.1  # (T shows)
+    assert (batch["old_logp"] - batch["ref_logp"])[mask].abs().max() > 0.1  # (the adapter shows)
 
 
 def test_kl_reference_is_the_base_model(tiny_dir):
@@ -3845,6 +3969,15 @@ def test_a_run_whose_rewards_overflow_their_group_s_std_stops_at_its_first_step(
     assert not (tmp_path / "out" / "checkpoint").exists()
 
 
+def test_readme_s_tiny_model_commands_each_have_an_output_dir_of_their_own():
+    """README's commands on the tiny model, run one after the other as a new user does: a second one that met the
+    first's grpo_out/ would be refused (it holds a run)."""
+    readme = open(os.path.join(HERE, "README.md")).read()
+    commands = re.findall(r"python grpo\.py --model tiny[^`]*", readme)
+    dirs = [(re.findall(r"--output-dir (\S+)", c) or [grpo.Args.output_dir])[-1] for c in commands]
+    assert len(commands) >= 2 and len(set(dirs)) == len(dirs), commands
+
+
 def test_tiny_py_builds_a_model_from_the_command_line(tmp_path, monkeypatch, capsys):
     import runpy
     monkeypatch.setattr(sys, "argv", ["tiny.py", str(tmp_path / "m")])
@@ -4578,6 +4711,23 @@ def test_ctrl_c_while_starting_is_one_line(tiny_dir, tmp_path, monkeypatch, caps
         pytest.fail("Ctrl-C while starting ends in a traceback")
     assert stop.value.code == 128 + signal.SIGINT
     assert capsys.readouterr().err == "grpo: stopped while starting: nothing saved\n"
+
+
+def test_sigterm_while_starting_is_one_line(tmp_path):
+    """SIGTERM (a scheduler's, `kill`'s) while the run starts, here while it waits for the lock of the run in
+    --output-dir, stops it as Ctrl-C does: one line, exit 128 + SIGTERM, nothing written."""
+    out = tmp_path / "out"
+    out.mkdir()
+    with open(out / ".lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another run's
+        p = background(tmp_path, [sys.executable, os.path.join(HERE, "grpo.py"), "--output-dir", str(out), "--resume"])
+        try:
+            wait_for("a wait", lambda: "is in use by another run: waiting for it to end" in p.err(), p)
+            assert stop(p, signal.SIGTERM) == 128 + signal.SIGTERM, p.err()[-3000:]
+        finally:
+            p.kill()
+    assert p.err().splitlines()[-1] == "grpo: stopped while starting: nothing saved" and "Traceback" not in p.err()
+    assert os.listdir(out) == [".lock"]
 
 
 def test_an_output_dir_that_cannot_be_made_or_that_a_run_deletes_is_refused_first(tiny_dir, tmp_path, monkeypatch):
