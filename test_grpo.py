@@ -4867,6 +4867,15 @@ a = grpo.parse_args(["--model", model_dir, "--dataset", data, "--prompts-per-ste
 torch.manual_seed(0)
 model, tok, _ = grpo.load_model(a, device)
 train, _ = grpo.load_data(a)
+real, drawn = grpo.generate, []
+def recording(model, tok, texts, n, a, greedy=False, **kw):  # what each rank's evaluation draws
+    out = real(model, tok, texts, n, a, greedy=greedy, **kw)
+    drawn.append([greedy, len(texts), [c.tolist() for c in out[1]]])
+    return out
+grpo.generate = recording  # the model's own samples, of 4 copies of one prompt: 2 on each of 2 ranks
+scores = grpo.evaluate(model, tok, [train[0]] * 4, dataclasses.replace(a, eval_samples=2), rank, world)
+result["sampled"] = [scores, grpo.all_gather(drawn)]
+grpo.generate = real
 torch.manual_seed(1000 * rank)
 for case, schedule in SCHEDULES.items():
     order = [ex["prompt"] for ex in itertools.islice(grpo.prompt_stream(train, a.seed), len(schedule))]
@@ -4954,6 +4963,18 @@ def test_two_processes_filter_as_one_and_refuse_what_they_cannot_run(tiny_dir, t
     assert all(0 < m[f"loss/{k}_frac"] < 1 for k in ("opsm", "tis", "low_entropy")), m  # (rank 0's rows, 1's)
     assert 0 < m["tools/call_frac"] < 1 and 0 < m["tools/errors"] < 1  # (--tools: the calls of every rank's rows)
     assert m["kl/in_reward_coef"] == 0.05  # a term with state: its first step's β, on both ranks as on one
+    # the evaluation by the model's own samples: the prompts split over the ranks, each evaluated once (none
+    # twice, none left out), each rank drawing its own samples (of one prompt, so that ranks that drew alike
+    # would show it), and the greedy accuracy the one process's (the sampled scores differ, the draws being others)
+    for run, world in ((one, 1), (two, 2)):
+        drawn = run["sampled"][1]
+        assert len(drawn) == world and all(len(calls) == 2 for calls in drawn)  # a greedy call, a sampled one
+        assert sum(n for calls in drawn for greedy, n, _ in calls if greedy) == 4
+        assert sum(n for calls in drawn for greedy, n, _ in calls if not greedy) == 4
+        assert sum(len(comps) for calls in drawn for greedy, _, comps in calls if not greedy) == 4 * 2
+    greedy, sampled = ([comps for calls in two["sampled"][1] for g, _, comps in calls if g == want] for want in (1, 0))
+    assert greedy[0] == greedy[1] and sampled[0] != sampled[1]
+    assert two["sampled"][0]["eval/accuracy"] == one["sampled"][0]["eval/accuracy"]
 
 
 def test_two_processes_mixed_pool_refill_sigterm_and_resume(tiny_dir, tmp_path):
