@@ -1656,9 +1656,9 @@ def test_presets_are_the_papers_and_explicit_flags_win(algo):
     (["--overlong-penalty", "--max-new-tokens", "64", "--overlong-buffer", "65"],
      "--overlong-buffer must be at most --max-new-tokens"),
 ])
-def test_impossible_flags_fail_with_a_sentence(argv, says):
-    with pytest.raises(SystemExit, match=says):
-        grpo.parse_args(argv)
+def test_impossible_flags_fail_with_a_sentence(argv, says, tmp_path):
+    with pytest.raises(SystemExit, match=says):  # (a pool file that is there)
+        grpo.parse_args([write(tmp_path / x, []) if x == "p.jsonl" else x for x in argv])
     with pytest.raises(SystemExit, match="--resume continues the run, --overwrite deletes it: give one"):
         grpo.check_args(replace(grpo.parse_args([]), resume=True, overwrite=True))
 
@@ -3823,7 +3823,7 @@ def test_mixed_pool_run_with_split_grads(eos_dir, tmp_path, extra):
     the model ends completions at varied lengths (eos_dir), so a length's mean, max and truncated share differ."""
     out = str(tmp_path / "out")
     main(["--algo", "drgrpo", "--model", eos_dir, "--max-steps", "2", "--output-dir", out, "--teacher-per-group",
-          "2", "--split-grads", "--log-samples", "2"] + TINY + extra + mixed_files(tmp_path) + reward_file(tmp_path))
+          "2", "--split-grads", "--log-samples", "2"] + NO_EVAL + extra + mixed_files(tmp_path) + reward_file(tmp_path))
     samples = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
     answers = {f"What is {i} + {i}?": str(2 * i) for i in range(4)}  # mixed_files'
     mean = statistics.mean
@@ -4164,13 +4164,14 @@ def test_resume_continues_the_run_bit_for_bit_from_anywhere(tiny_dir, tmp_path):
     """4 steps in one run == 2 steps, stop, --resume to 4: the same metrics and the same adapter, bit for bit
     (optimizer, prompt stream with dynamic sampling's refills, torch and python RNG restored), so a run repeats
     itself. The resumed run starts in another directory (the relative paths were saved absolute), gives the
-    teacher pool at a new path, and evaluates on more prompts: none of which changes what it trains. The
+    teacher pool at a new path, and evaluates on other prompts: none of which changes what it trains. The
     learning rate warms up linearly over 3 steps, then holds (DAPO's warm-up), across the resume too. Two of the
     four prompts score 0 (their groups are dropped where the teacher's pool reward is 0 too): both steps before the
     stop sample again, so the resumed stream starts 2 rounds of B prompts a step on, not one. A term with
     memory is on: the KL in the reward with an adaptive β (--kl-target), which the run's state carries."""
     common = ["--algo", "dapo", "--model", tiny_dir, "--teacher-per-group", "1", "--max-gen-rounds", "2"] + TINY \
-        + mixed_files(tmp_path, relative=True) + ["--reward-fn", "rw.py:digits", "--warmup-steps", "3"] \
+        + mixed_files(tmp_path, relative=True) + ["--eval-dataset", "data.jsonl"] \
+        + ["--reward-fn", "rw.py:digits", "--warmup-steps", "3"] \
         + ["--no-overlong-penalty", "--kl-in-reward", "0.5", "--kl-target", "1e-3"]  # (the lengths' penalties
     # would part every group's rewards)
     reward_file(tmp_path, "def digits(c, a, prompt, **kw):\n    return 0.0 if prompt in ('What is 0 + 0?', "
@@ -4182,7 +4183,7 @@ def test_resume_continues_the_run_bit_for_bit_from_anywhere(tiny_dir, tmp_path):
     moved.mkdir()
     os.replace(tmp_path / "pool.jsonl", moved / "pool.jsonl")
     p = cli(["--output-dir", split, "--resume", "--max-steps", "4", "--teacher-pool", "moved/pool.jsonl",
-             "--eval-prompts", "6"], cwd=tmp_path)
+             "--eval-prompts", "2"], cwd=tmp_path)
     assert p.stdout.strip().splitlines()[-1] == f"grpo: step 4 saved in {split}/checkpoint; metrics in " \
                                                 f"{split}/metrics.jsonl"
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in steady(rows)]  # noqa
@@ -4250,7 +4251,7 @@ def test_a_curriculum_in_draw_and_a_schedule_over_max_steps_resume_bit_for_bit(t
     monkeypatch.setattr(grpo, "draw", curriculum)
     monkeypatch.setattr(grpo, "at_step", recording)
     (tmp_path / "rw.py").write_text(SOLVED_OR_DIGITS)
-    common = ["--algo", "dapo", "--model", tiny_dir] + TINY + mixed_files(tmp_path)[:2] + CURRICULUM \
+    common = ["--algo", "dapo", "--model", tiny_dir] + NO_EVAL + mixed_files(tmp_path)[:2] + CURRICULUM \
         + ["--log-samples", "2", "--max-gen-rounds", "2"]
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     main(common + ["--output-dir", straight, "--max-steps", "4"], cwd=tmp_path)
@@ -4987,8 +4988,8 @@ def test_two_processes_mixed_pool_refill_sigterm_and_resume(tiny_dir, tmp_path):
     left = tmp_path / "left.json"
     (tmp_path / "rw.py").write_text(TWO_RANKS_REWARD.format(straight=straight, left=str(left)))
     args = [os.path.join(HERE, "grpo.py"), "--algo", "dapo", "--model", tiny_dir, "--teacher-per-group", "2",
-            "--split-grads", "--max-gen-rounds", "2", "--max-steps", "3", "--rewards", "correct"] + TINY \
-        + ["--eval-every", "0", "--log-samples", "4"] + mixed_files(tmp_path)  # every group of 2 rounds of B = 2
+            "--split-grads", "--max-gen-rounds", "2", "--max-steps", "3", "--rewards", "correct"] + NO_EVAL \
+        + ["--log-samples", "4"] + mixed_files(tmp_path)  # every group of 2 rounds of B = 2
     subprocess.run(TORCHRUN + args + ["--reward-fn", f"{tmp_path}/rw.py:r", "--output-dir", straight], cwd=HERE,
                    check=True, capture_output=True)
     args += held_judge(tmp_path, split, after=1)  # once step 1 is logged, step 2's rollout is held
