@@ -233,12 +233,12 @@ def within(value, bounds: str) -> bool:  # bounds: an interval as written, "[0, 
     return above and (value <= high if bounds[-1] == "]" else value < high)
 
 def check_args(a: Args, typed=()):
-    """Each flag as declared (flag; `typed`: not preset or saved), then among flags: the first wrong fails."""
+    """Each flag against its declaration (flag; `typed`: not a preset's or saved run's), then among flags."""
     for f in dataclasses.fields(a):
         value = getattr(a, f.name)
         if type(value) in (int, float) and value != f.default and not within(value, f.metadata["bounds"]):
             fail(f"{dash(f.name)} must be in {f.metadata['bounds']}, not {value}")
-        on, *values = f.metadata["needs"].split() or [None]  # on: "tis" off its default, "ratio token" at it
+        on, *values = f.metadata["needs"].split() or [None]  # on: "tis" off its default, "surrogate sapo" at
         off = on and (str(getattr(a, on)) not in values if values else getattr(a, on) == getattr(Args, on))
         if f.name in typed and off:
             needs = " or ".join(f"{dash(on)} {v}" for v in values) or dash(on)
