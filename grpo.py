@@ -51,7 +51,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from rewards import REWARDS, calculator, is_correct, overlong_penalty, reference_answer, reward_model
+from rewards import (MAX_ANSWER, REWARDS, calculator, is_correct, overlong_penalty, reference_answer,
+                     reward_model)
 
 
 def dash(name: str) -> str:
@@ -61,10 +62,9 @@ def fail(msg: str):
     raise SystemExit(f"grpo: error: {msg}")
 
 # ----------------------------------------------------------------------------- flags and presets
-def flag(default, help, choices=(), bounds="[0, inf)"):
-    """A flag: its default, also "off" (allowed whatever the bounds), help, choices, and for a number the
-    interval it must lie in (check_args enforces it; the dry-run test turns the flag on inside it)."""
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "bounds": bounds})
+def flag(default, help, choices=(), bounds="[0, inf)", needs=""):
+    """A flag: its default (also "off", whatever the bounds), help, choices, bounds, the flag it acts with."""
+    return dataclasses.field(default=default, metadata=locals())  # its arguments: help, choices, ...
 
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 PRESETS = {  # the papers' values
@@ -104,51 +104,51 @@ class Args:
     top_k: int = flag(0, "top-k sampling (0: off)")
     compile_generate: str = flag("auto", "compiled sampler (auto: with CUDA)", ("auto", "on", "off"))
     tools: str = flag("", "tools the model may call: calculator, PATH.py (its public functions), PATH.py:f,g")
-    max_tool_calls: int = flag(8, "tool calls a completion at most (--tools)")
-    tool_timeout: float = flag(10.0, "seconds a call may run, then its process is killed", bounds="(0, inf)")
+    max_tool_calls: int = flag(8, "tool calls a completion at most", needs="tools")
+    tool_timeout: float = flag(10.0, "seconds a call may run, then killed", bounds="(0, inf)", needs="tools")
     rewards: str = flag("correct", "built-in rewards, weighted: correct:1,format:0.2 (rewards.py)")  # reward
     reward_fn: str = flag("", "your own reward, PATH.py:FUNCTION; used alone unless --rewards is given")
     reward_model: str = flag("", "a reward model: a sequence classifier (ID or PATH), --rewards' model:W")
     overlong_penalty: bool = flag(False, "DAPO §3.4 soft overlong punishment added to the reward")
-    overlong_buffer: int = flag(0, "L_cache in tokens for the overlong penalty (0: T // 5)")
+    overlong_buffer: int = flag(0, "the penalty's L_cache in tokens (0: T // 5)", needs="overlong_penalty")
     kl_in_reward: float = flag(0.0, "β: R_i -= β Σ_t log π_old/π_ref before the advantage (RLOO's KL)")
-    kl_target: float = flag(0.0, "adaptive β: a step moves it towards this KL per token (verl's kl_ctrl)")
+    kl_target: float = flag(0.0, "adaptive β: moved to this KL a token (verl kl_ctrl)", needs="kl_in_reward")
     adv_estimator: str = flag("grpo", "grpo | rloo | reinforce_plus_plus_baseline | gdpo (verl's names)",
                               ("grpo", "rloo", "reinforce_plus_plus_baseline", "gdpo"))  # advantage
-    scale: str = flag("std", "grpo's R - mean_g: / std_g | none | / the step's std", ("std", "none", "batch"))
+    scale: str = flag("std", "divides R - mean_g", ("std", "none", "batch"), needs="adv_estimator grpo")
     std_eps: float = flag(1e-6, "eps in the std scaling and in the soft weights", bounds="(0, inf)")
     soft_reweight: bool = flag(False, "Dr. GRPO+ soft: A *= std_g / max std over the step's groups")
     dynamic_sampling: bool = flag(False, "DAPO §3.2: keep groups of unequal rewards, sample again to refill")
-    max_gen_rounds: int = flag(4, "sampling rounds a step at most (dynamic sampling)", bounds="(0, inf)")
+    max_gen_rounds: int = flag(4, "max sampling rounds a step", bounds="(0, inf)", needs="dynamic_sampling")
     top_k_groups: int = flag(0, "keep the k groups with the largest reward std (0: off)")
     skip_zero_variance: bool = flag(True, "no forward/backward of equal-reward groups, if it changes nothing")
-    top_entropy_quantile: float = flag(1.0, "ρ: only top-ρ tokens by H train (80/20: 0.2)", bounds="[0, 1]")
+    top_entropy_quantile: float = flag(1.0, "ρ: only top-ρ tokens by H train (80/20: 0.2)", bounds="(0, 1]")
     loss_agg: str = flag("seq-mean-token-mean", "token losses to one number", LOSS_AGGS)  # loss
     eps_low: float = flag(0.2, "ratio clipped below at 1 - eps_low", bounds="[0, 1)")
     eps_high: float = flag(0.2, "ratio clipped above at 1 + eps_high (DAPO clip-higher: 0.28)")
     ratio: str = flag("token", "token: pi / pi_old | sequence: GSPO's", ("token", "sequence"))
     surrogate: str = flag("clip", "the token loss (policy_loss); gmpo's eps bound log r (paper: 0.4)",
                           ("clip", "cispo", "sapo", "gmpo", "vespo", "clip_cov", "kl_cov"))
-    sapo_tau_pos: float = flag(1.0, "SAPO's gate τ where A > 0: larger, harder (paper 1)", bounds="(0, inf)")
-    sapo_tau_neg: float = flag(1.05, "τ where A < 0: above τ_pos, steadier (paper 1.05)", bounds="(0, inf)")
-    dual_clip: float = flag(0.0, "c: loss at most c|A| where A < 0, stale rows (verl 3)", bounds="(1, inf)")
-    cov_ratio: float = flag(2e-4, "clip_cov, kl_cov: share of tokens held back (verl)", bounds="(0, 1]")
-    cov_low: float = flag(1.0, "clip_cov draws at cov_low < cov(A, log π) < cov_high", bounds="(-inf, inf)")
-    cov_high: float = flag(5.0, "clip_cov: see --cov-low", bounds="(-inf, inf)")
-    cov_kl_coef: float = flag(0.1, "kl_cov: |log r|'s weight on the top-cov tokens, to keep entropy (verl)")
+    sapo_tau_pos: float = flag(1.0, "τ if A > 0: larger, harder", bounds="(0, inf)", needs="surrogate sapo")
+    sapo_tau_neg: float = flag(1.05, "τ if A < 0: above τ_pos", bounds="(0, inf)", needs="surrogate sapo")
+    dual_clip: float = flag(0.0, "c: loss at most c|A| if A < 0", bounds="(1, inf)", needs="surrogate clip")
+    cov_ratio: float = flag(2e-4, "share held back", bounds="(0, 1]", needs="surrogate clip_cov kl_cov")
+    cov_low: float = flag(1.0, "draws cov(A, log π) > it", bounds="(-inf, inf)", needs="surrogate clip_cov")
+    cov_high: float = flag(5.0, "draws cov(A, log π) < it", bounds="(-inf, inf)", needs="surrogate clip_cov")
+    cov_kl_coef: float = flag(0.1, "|log r|'s weight on the top-cov tokens (verl)", needs="surrogate kl_cov")
     opsm_delta: float = flag(math.inf, "δ: no loss where A < 0 and mean log π_sampler/π > δ (TRL 0.5)")
     beta: float = flag(0.0, "KL weight against the reference (the adapter disabled)")
-    kl: str = flag("k3", "KL term (kl_penalty)", ("k3", "k3_ratio", "k2"))
+    kl: str = flag("k3", "KL term (kl_penalty)", ("k3", "k3_ratio", "k2"), needs="beta")
     mask_truncated: bool = flag(False, "DAPO §3.4 overlong filtering: no loss on completions without EOS")
     tis: float = flag(0.0, "C: loss × w = π_old/π_sampler ≤ C (TRL: 3; IcePop: 5)", bounds="[1, inf)")
     tis_mode: str = flag("token_truncate", "w a token or o_i's product; clamped, or 0 outside (IcePop: mask)",
-                         ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"))
-    tis_min: float = flag(0.0, "w's floor: clamped, or masked below it (IcePop: 0.5)", bounds="[0, 1)")
+                         ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask"), needs="tis")
+    tis_min: float = flag(0.0, "w's floor: clamped or masked under (IcePop .5)", bounds="[0, 1)", needs="tis")
     entropy_coef: float = flag(0.0, "c: loss -= c H, the entropy bonus, aggregated as the loss")
     num_iterations: int = flag(1, "updates a step (if > 1, old_logp computed once)", bounds="(0, inf)")
-    teacher_pool: str = flag("", "JSONL of cached teacher completions: prompt, completion, reward")  # pool
-    teacher_per_group: int = flag(0, "G_t: teacher completions a group, beside the G_s student samples")
-    split_grads: bool = flag(False, "backpropagate student and teacher halves apart; log |g_s|, |g_t|, cos")
+    teacher_pool: str = flag("", "JSONL lines: prompt, teacher completion, reward", needs="teacher_per_group")
+    teacher_per_group: int = flag(0, "G_t: teacher completions a group, beside G_s", needs="teacher_pool")
+    split_grads: bool = flag(False, "student, teacher halves apart: |g_s|, |g_t|, cos", needs="teacher_pool")
     lora_r: int = flag(16, "LoRA rank (0: full fine-tuning)")  # model and optimizer
     lora_alpha: int = flag(32, "LoRA alpha", bounds="(0, inf)")
     lora_dropout: float = flag(0.0, "LoRA dropout (0: logp the same in every pass)", bounds="[0, 1)")
@@ -162,12 +162,6 @@ class Args:
     weight_decay: float = flag(0.0, "AdamW weight decay")
     max_grad_norm: float = flag(1.0, "clip the gradient norm (0: no clipping)")
 
-NEEDS = {  # a flag -> the flag it acts with (not at its default), or the values of it that it acts at
-    "tis_mode": "tis", "tis_min": "tis", "kl": "beta", "overlong_buffer": "overlong_penalty", "dual_clip":
-    "surrogate clip", "max_gen_rounds": "dynamic_sampling", "scale": "adv_estimator grpo", "sapo_tau_pos":
-    "surrogate sapo", "sapo_tau_neg": "surrogate sapo", "cov_kl_coef": "surrogate kl_cov", "cov_ratio":
-    "surrogate clip_cov kl_cov", "cov_low": "surrogate clip_cov", "cov_high": "surrogate clip_cov",
-    "max_tool_calls": "tools", "tool_timeout": "tools", "kl_target": "kl_in_reward"}
 PATHS = ("model", "dataset", "eval_dataset", "reward_fn", "reward_model", "teacher_pool", "tools")  # may move
 RESUMABLE = {"resume", "overwrite", "output_dir", "max_steps", "save_every", "eval_every", "eval_prompts",
              "eval_samples", "log_samples", "wandb_project", "compile_generate", "dry_run", *PATHS,
@@ -211,8 +205,11 @@ def parse_args(argv=None) -> Args:
         a.output_dir = os.path.abspath(a.output_dir)
     for name in PATHS:  # saved absolute, so that --resume works from any directory
         path, rest = split_path(getattr(a, name))
+        local = path.startswith(("/", ".", "~")) or os.path.isdir(os.path.dirname(path))  # not a hub id
         if path and os.path.exists(path):
             setattr(a, name, os.path.abspath(path) + rest)
+        elif local or path.endswith((".py", ".jsonl", ".json", ".csv", ".parquet")):  # (--dry-run's too)
+            fail(f"{dash(name)} {getattr(a, name)!r}: no such file or directory")
         was, was_rest = split_path(saved.get(name, getattr(a, name)))  # the saved run's, on --resume
         if (bool(was), was_rest) != (bool(path), rest):  # a path added or dropped, other :FUNCTION, @SPLIT
             fail(f"--resume: {dash(name)} is {getattr(a, name)!r} here but {saved[name]!r} in the saved run: "
@@ -238,18 +235,16 @@ def within(value, bounds: str) -> bool:  # bounds: an interval as written, "[0, 
     return above and (value <= high if bounds[-1] == "]" else value < high)
 
 def check_args(a: Args, typed=()):
-    """Flags that would misbehave silently, or fail late, fail here, the first found with what to change: a
-    number flag outside the bounds it declares (unless it is its default, "off"), a flag typed (in `typed`; a
-    preset's or a saved run's value is not) where it does nothing, then checks among flags."""
+    """Each flag against its declaration (flag; `typed`: not a preset's or saved run's), then among flags."""
     for f in dataclasses.fields(a):
         value = getattr(a, f.name)
         if type(value) in (int, float) and value != f.default and not within(value, f.metadata["bounds"]):
             fail(f"{dash(f.name)} must be in {f.metadata['bounds']}, not {value}")
-    for name in [name for name in typed if name in NEEDS]:  # a flag typed where it does nothing
-        on, *values = NEEDS[name].split()
-        needs = " or ".join(f"{dash(on)} {v}" for v in values) or dash(on)
-        if not (str(getattr(a, on)) in values or not values and getattr(a, on) != getattr(Args, on)):
-            fail(f"{dash(name)} does nothing without {needs}: add it, or drop {dash(name)}")
+        on, *values = f.metadata["needs"].split() or [None]  # on: "tis" off its default, "surrogate sapo" at
+        off = on and (str(getattr(a, on)) not in values if values else getattr(a, on) == getattr(Args, on))
+        if f.name in typed and off:
+            needs = " or ".join(f"{dash(on)} {v}" for v in values) or dash(on)
+            fail(f"{dash(f.name)} does nothing without {needs}: add it, or drop {dash(f.name)}")
     checks = [
         (not a.output_dir, "--output-dir must name a directory"),
         (group_size(a) < 2, "a group needs 2 completions: raise --num-generations"),
@@ -257,9 +252,6 @@ def check_args(a: Args, typed=()):
         (a.load_in_4bit and a.lora_r == 0, "--load-in-4bit trains LoRA adapters: set --lora-r > 0"),
         (a.top_k_groups > a.prompts_per_step, "--top-k-groups must be at most --prompts-per-step"),
         (a.overlong_buffer > a.max_new_tokens, "--overlong-buffer must be at most --max-new-tokens (L_max)"),
-        (bool(a.teacher_pool) != (a.teacher_per_group > 0), "the mixed pool needs both --teacher-pool PATH "
-                                                             "and --teacher-per-group G_T > 0"),
-        (a.split_grads and not a.teacher_pool, "--split-grads needs --teacher-pool (the teacher half)"),
         (a.adv_estimator == "gdpo" and (a.teacher_pool or a.kl_in_reward or a.overlong_penalty), "--adv-"
          "estimator gdpo normalises each reward function apart: the pool's rewards, --kl-in-reward and the "
          "overlong penalty have no parts: drop them (--no-overlong-penalty)"),
@@ -268,6 +260,8 @@ def check_args(a: Args, typed=()):
         (a.surrogate == "clip_cov" and a.cov_low >= a.cov_high, "--cov-low must be below --cov-high"),
         (a.dataset == a.eval_dataset == "" and a.eval_prompts > HELD_OUT, f"--eval-prompts: the built-in "
          f"task has {HELD_OUT}"),
+        (a.dataset and not a.eval_dataset and any(getattr(a, k) for k in typed if k.startswith("eval_")),
+         "--eval-every, --eval-prompts and --eval-samples do nothing without --eval-dataset: add it"),
         (not a.rewards.strip(", ") and not a.reward_fn, "no reward: give --rewards and/or --reward-fn"),
         (a.wandb_project and not importlib.util.find_spec("wandb"), "--wandb-project: `pip install wandb`")]
     for bad, msg in checks:
@@ -372,14 +366,15 @@ def load_examples(source: str, split: str, graded: bool, reward_fns=(), keywords
 
 def load_data(a: Args, reward_fns=()) -> tuple[list[dict], list[dict]]:
     graded = any(getattr(fn, "reads_answer", False) for _, fn, _ in reward_fns)  # rewards.reads_answer
-    evals = []
+    evals = load_examples(a.eval_dataset, "test", graded) if a.eval_dataset else []  # (no reward sees them)
     if a.dataset == "":
         train = arithmetic_task(20000, a.seed)
-        evals = [] if a.eval_dataset else arithmetic_task(a.eval_prompts, 0, held_out=True)
+        evals = evals or arithmetic_task(a.eval_prompts, 0, held_out=True)
     else:
         train = load_examples(a.dataset, "train", graded, reward_fns, reward_keywords(a, 0))
-    if a.eval_dataset:
-        evals = load_examples(a.eval_dataset, "test", graded)  # (no reward sees them)
+    unread = [ex["answer"] for ex in train + evals if "\n" in ex["answer"] or len(ex["answer"]) > MAX_ANSWER]
+    if graded and unread:  # a worked solution (GSM8K's without '#### N'): `correct` compares final answers
+        fail(f"{len(unread)} answers `correct` cannot read, e.g. {unread[0][:40]!r}: end each in '#### N'")
     return train[:a.max_samples or None], evals[:a.eval_prompts]
 
 def finite32(x) -> bool:  # a reward: a real number that float32 holds (a Python int may not even fit a float)
@@ -1197,7 +1192,7 @@ def probe(a: Args):
     """The step's terms on made-up numbers, no model: the inputs they read, not step_terms' outputs (a step
     computes these, only these); each term's --dry-run words; what becomes of an equal-reward group:
     whether the rows step_terms flags A = 0 are skipped (--skip-zero-variance, and ∇ℓ = 0 there: skipping
-    is a no-op)."""
+    is a no-op), or as the run's state decides, if a second step on the state the first left flags others."""
     G = group_size(a)
     gen = torch.Generator().manual_seed(0)
     def made_up():  # (G, 3) log-probs: any step input a term reads
@@ -1206,7 +1201,9 @@ def probe(a: Args):
                 mask=torch.ones(G, 3), truncated=torch.zeros(G, dtype=torch.bool),
                 is_teacher=torch.zeros(G, dtype=torch.bool), sampler_logp=made_up(), per_fn=made_up())
     step = collections.defaultdict(made_up, rows)
-    made, _, words = step_terms(step, a, {})  # (a state of its own)
+    state = {}  # (a state of its own)
+    made, _, words = step_terms(step, a, state)
+    later = step_terms(step, a, state)[0]["flat"]  # the same rows a step later: a term that remembers
     step.update(made, adv=torch.zeros(G, 1))  # A = 0
     logp = made_up().requires_grad_()
     entropy = torch.rand(G, 3, generator=gen).requires_grad_()
@@ -1218,6 +1215,8 @@ def probe(a: Args):
         words["equal"] = "(A = 0) skipped: ∇ℓ = 0 there"
     if not made["flat"].all():  # step_terms flags no such group: their A is not 0 (whitened, or the KL in R)
         words["equal"] = "trained: their A is not 0"
+    if not later.equal(made["flat"]):  # (a running baseline: A = 0 only for a prompt with no history)
+        words["equal"] = f"as the run's state ({', '.join(state)}) has it; at the first step {words['equal']}"
     return set(step) - set(rows) - set(made), skip, {**words, **more}
 
 def prepare(model, ref_model, groups: list[dict], a: Args, state: dict | None):
@@ -1555,8 +1554,7 @@ def start(a: Args):
     run = argparse.Namespace(  # state: the run's, live; done: it as the last step ended; saved: the last save
         rank=rank, world=world, device=device, model=model, tok=tok, ref_model=ref_model, opt=opt, bar=bar,
         sampler=sampler, reward_fns=reward_fns, pool=pool, evals=evals, stream=stream, start=state["step"],
-        state=state, done=dict(state), saved=state["step"], busy=False, stop=0, flat=0, bad_steps=0,
-        tools=tools)
+        state=state, done=dict(state), saved=state["step"], flat=0, bad_steps=0, tools=tools)
     if rank == 0:
         open_output(run, a)
     return run
@@ -1638,15 +1636,16 @@ def describe(a: Args) -> str:
     return "\n".join(lines + ["", textwrap.fill(flags, 100)])
 
 def main(argv=None):
+    run = argparse.Namespace(stop=0, rank=0, busy=False)  # on_signal reads it; start() fills in the rest
+    on_signal(run)
     try:
         a = parse_args(argv)
         if a.dry_run:
             return print(describe(a))
-        run = start(a)
-    except KeyboardInterrupt:  # Ctrl-C while it starts, or waits for the lock: nothing to save
+        vars(run).update(vars(start(a)))
+    except KeyboardInterrupt:  # a signal while it starts, or waits for the lock: nothing to save
         print("grpo: stopped while starting: nothing saved", file=sys.stderr)
-        raise SystemExit(128 + signal.SIGINT)
-    on_signal(run)
+        raise SystemExit(128 + (run.stop or signal.SIGINT))
     try:
         if a.eval_every and run.evals and run.start == 0:  # where the run starts from, as papers report it
             m = evaluate(run.model, run.tok, run.evals, a, run.rank, run.world, run.sampler, run.tools)

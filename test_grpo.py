@@ -6,6 +6,7 @@ model in-process (gradients, log-probs, sampling); then whole runs of grpo.py, i
 and as a subprocess where a signal, torchrun or a fresh interpreter is what is tested."""
 import argparse
 import collections
+import contextlib
 import copy
 import decimal
 import errno
@@ -40,6 +41,7 @@ import tiny
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY = ["--max-new-tokens", "12", "--prompts-per-step", "2", "--num-generations", "4", "--eval-prompts", "4",
         "--eval-every", "2", "--micro-batch-size", "3", "--learning-rate", "1e-3"]
+NO_EVAL = TINY[:6] + TINY[10:]  # for a --dataset without an --eval-dataset, where evaluation flags are refused
 TIMING = ("time/", "tokens_per_second")
 
 
@@ -1666,7 +1668,7 @@ def test_a_bad_reward_model_is_refused_at_start_in_one_line(tiny_dir, tmp_path):
     for argv, says in [([tiny_dir], path + r"Qwen2ForCausalLM is not a sequence classifier \(its score head would"),
                        ([two], path + "a classifier of 2 labels: a reward model has one, the score"),
                        ([other], path + "its tokenizer has 400 tokens, its embedding 26[0-9]: another model's"),
-                       ([str(tmp_path / "nowhere")], path + ".*nowhere"),  # (as --model's: a hub id would be read)
+                       ([str(tmp_path / "nowhere")], "--reward-model '.*nowhere': no such file or directory$"),
                        ([other, "--rewards", "correct"], together), (["", "--rewards", "model:2"], together)]:
         with pytest.raises(SystemExit, match=f"^grpo: error: {says}") as e:
             grpo.build_rewards(grpo.parse_args(["--rewards", "correct,model", "--reward-model"] + argv))
@@ -1747,9 +1749,9 @@ def test_presets_are_the_papers_and_explicit_flags_win(algo):
     (["--overlong-penalty", "--max-new-tokens", "64", "--overlong-buffer", "65"],
      "--overlong-buffer must be at most --max-new-tokens"),
 ])
-def test_impossible_flags_fail_with_a_sentence(argv, says):
-    with pytest.raises(SystemExit, match=says):
-        grpo.parse_args(argv)
+def test_impossible_flags_fail_with_a_sentence(argv, says, tmp_path):
+    with pytest.raises(SystemExit, match=says):  # (a pool file that is there)
+        grpo.parse_args([write(tmp_path / x, []) if x == "p.jsonl" else x for x in argv])
     with pytest.raises(SystemExit, match="--resume continues the run, --overwrite deletes it: give one"):
         grpo.check_args(replace(grpo.parse_args([]), resume=True, overwrite=True))
 
@@ -1775,7 +1777,7 @@ def test_impossible_flags_fail_with_a_sentence(argv, says):
     (["--algo", "dapo", "--adv-estimator", "gdpo"], "the overlong penalty have no parts: drop them"),
 ])
 def test_a_flag_typed_where_it_does_nothing_is_refused_naming_what_to_add(argv, says):
-    """A flag the user typed where it acts on nothing (NEEDS) is refused in one line naming what it needs; a clip_cov
+    """A flag the user typed where it acts on nothing (its needs) is refused in one line naming what it needs; a clip_cov
     range that holds nothing, and a preset's overlong penalty that gdpo cannot split, name what to change."""
     with pytest.raises(SystemExit, match=says):
         grpo.parse_args(argv)
@@ -1800,17 +1802,29 @@ def test_only_what_was_typed_is_refused_not_a_preset_s_or_a_saved_run_s_value(tm
         grpo.parse_args(["--output-dir", str(tmp_path), "--resume", "--scale", "none"])
 
 
-def test_a_needs_row_names_a_number_value_or_a_partner_whose_default_is_true(monkeypatch):
-    """NEEDS' partner is on when it is not at its default (not when it is truthy: --eps-high defaults to 0.2), and
-    a value in the table is matched as written (--num-iterations 2 is the int 2, the table's '2' a string)."""
-    monkeypatch.setitem(grpo.NEEDS, "tis_mode", "num_iterations 2 3")
-    monkeypatch.setitem(grpo.NEEDS, "tis_min", "eps_high")
+def test_a_flag_s_partner_names_a_number_value_or_a_partner_whose_default_is_true(monkeypatch):
+    """A flag's partner (flag's needs) is on when it is not at its default (not when it is truthy: --eps-high
+    defaults to 0.2), and a value is matched as written (--num-iterations 2 is the int 2, the declared '2' a string)."""
+    for name, needs in (("tis_mode", "num_iterations 2 3"), ("tis_min", "eps_high")):
+        field = grpo.Args.__dataclass_fields__[name]
+        monkeypatch.setattr(field, "metadata", {**field.metadata, "needs": needs})
     grpo.parse_args(["--tis-mode", "token_mask", "--num-iterations", "2"])
     grpo.parse_args(["--tis-min", "0.5", "--eps-high", "0.28"])
     with pytest.raises(SystemExit, match="--tis-mode does nothing without --num-iterations 2 or --num-iterations 3"):
         grpo.parse_args(["--tis-mode", "token_mask"])
     with pytest.raises(SystemExit, match="--tis-min does nothing without --eps-high: add it"):
         grpo.parse_args(["--tis-min", "0.5"])
+
+
+def test_each_flag_s_declared_partner_is_a_flag_and_its_values_are_the_partner_s_choices():
+    """A flag declares the flag it acts with beside itself (flag's needs): a name that is no flag, or a value the
+    partner cannot take, would refuse the flag always (typed) or never. Each partner is a field, and each value one
+    of its choices."""
+    fields = grpo.Args.__dataclass_fields__
+    declared = {f.name: f.metadata["needs"].split() for f in fields.values() if f.metadata["needs"]}
+    assert {"tis_mode", "kl", "scale", "cov_ratio", "teacher_pool", "split_grads", "tool_timeout"} <= set(declared)
+    for name, (on, *values) in declared.items():
+        assert on in fields and set(values) <= set(fields[on].metadata["choices"]), (name, on, values)
 
 
 @pytest.mark.parametrize("flag, value, says", [
@@ -1833,9 +1847,11 @@ def test_a_needs_row_names_a_number_value_or_a_partner_whose_default_is_true(mon
     ("--cov-ratio", "5", r"--cov-ratio must be in \(0, 1\], not 5.0"),
     ("--cov-ratio", "0", r"--cov-ratio must be in \(0, 1\], not 0.0"),  # verl refuses 0 too (it selects >= 1 token)
     ("--tis", "0.5", r"--tis must be in \[1, inf\), not 0.5"), ("--tis-min", "1", r"--tis-min must be in \[0, 1\)"),
+    ("--top-entropy-quantile", "0", r"--top-entropy-quantile must be in \(0, 1\], not 0.0"),  # (0: one token trained)
 ])
-def test_out_of_range_flags_fail_with_their_name(flag, value, says):
-    extra = ["--teacher-pool", "p.jsonl", "--teacher-per-group", "2"] if flag == "--num-generations" else []
+def test_out_of_range_flags_fail_with_their_name(flag, value, says, tmp_path):
+    pool = ["--teacher-pool", write(tmp_path / "p.jsonl", []), "--teacher-per-group", "2"]  # (a path that is there)
+    extra = pool if flag == "--num-generations" else []
     with pytest.raises(SystemExit, match=says):
         grpo.parse_args([flag, value] + extra)
 
@@ -1851,7 +1867,7 @@ def test_a_flag_outside_its_choices_fails_with_them(flag, value, choices, capsys
     assert f"argument {flag}: invalid choice: '{value}'" in err and all(c in err for c in choices.split())
 
 
-def test_dry_run_prints_the_objective_then_the_flags(capsys):
+def test_dry_run_prints_the_objective_then_the_flags(capsys, tmp_path):
     grpo.main(["--algo", "drgrpo", "--dry-run"])
     out = capsys.readouterr().out
     assert out.startswith("loss = Σ_i Σ_t ℓ_i,t / (n_seq·256),  Σ_t over m_i,t = 1 up to and including the first EOS\n"
@@ -1885,8 +1901,9 @@ def test_dry_run_prints_the_objective_then_the_flags(capsys):
         assert "(no A is 0)" in out and "those of equal rewards trained: their A is not 0\n" in out
     grpo.main(["--algo", "drgrpo", "--dry-run", "--kl-in-reward", "0.1"])  # equal rewards less unequal KLs
     assert "those of equal rewards trained: their A is not 0\n" in capsys.readouterr().out
-    grpo.main(["--algo", "drgrpo", "--dry-run", "--teacher-pool", "p.jsonl", "--teacher-per-group", "2",
-               "--split-grads"])
+    (tmp_path / "p.jsonl").touch()  # (a path that is not there is refused, as a real run refuses it)
+    grpo.main(["--algo", "drgrpo", "--dry-run", "--teacher-pool", str(tmp_path / "p.jsonl"), "--teacher-per-group",
+               "2", "--split-grads"])
     out = capsys.readouterr().out
     assert "first EOS; ∇ = g_s + g_t, the student's and the teacher's rows backpropagated apart\n" in out
 
@@ -1908,11 +1925,95 @@ def test_dry_run_says_what_the_step_does_with_an_equal_reward_group(kw):
         (bool(flat[0]), skip), "trained: their A is not 0")
 
 
+def test_evaluation_flags_with_no_evaluation_set_are_refused(tmp_path):
+    """--dataset with no --eval-dataset holds no held-out prompts: --eval-every, --eval-samples and --eval-prompts
+    typed there do nothing, and are refused as any flag typed where it does nothing; with an evaluation set (an
+    --eval-dataset, or the built-in task's held-out problems) they act, and 0 (evaluation off) says what is so."""
+    data = write(tmp_path / "d.jsonl", ['{"prompt": "a", "answer": "1"}'])
+    for flag, value in (("--eval-every", "5"), ("--eval-samples", "4"), ("--eval-prompts", "8")):
+        with pytest.raises(SystemExit, match="^grpo: error: --eval-every, --eval-prompts and --eval-samples do nothing "
+                                             "without --eval-dataset: add it$"):
+            grpo.parse_args(["--dataset", data, flag, value])
+        assert getattr(grpo.parse_args(["--dataset", data, "--eval-dataset", data, flag, value]),
+                       flag[2:].replace("-", "_")) == int(value)
+        grpo.parse_args([flag, value])  # the built-in task's held-out problems
+    grpo.parse_args(["--dataset", data, "--eval-every", "0", "--eval-samples", "0"])
+
+
+def test_a_local_path_that_is_not_there_is_refused_alike_by_a_run_and_by_dry_run(tiny_dir, tmp_path):
+    """A tools file, dataset, reward file, teacher pool or model directory that is not there: one line, the same
+    from --dry-run (which reads none of them) as from a run, before anything loads. A path is what names a local
+    file (a .py or a dataset's suffix), starts with /, . or ~, or has a directory that is there; a mistyped one
+    (models/tny for models/tiny) is named as not there, not read as a hub id and its naming rules."""
+    (tmp_path / "models").mkdir()
+    for flag, value in (("--tools", "tools.py"), ("--dataset", "train.jsonl"), ("--reward-fn", "rw.py:f"),
+                        ("--model", "models/tny"), ("--model", "./tny"), ("--eval-dataset", "test.parquet"),
+                        ("--teacher-pool", "pool.jsonl")):
+        argv = ["--model", tiny_dir, "--output-dir", str(tmp_path / "out"), flag, value] + TINY
+        argv += ["--teacher-per-group", "2"] if flag == "--teacher-pool" else []
+        said = []
+        for extra in ([], ["--dry-run"]):
+            with pytest.raises(SystemExit) as e:
+                main(argv + extra, cwd=tmp_path)
+            said.append(str(e.value))
+        assert said[0] == said[1] == f"grpo: error: {flag} '{value}': no such file or directory"
+        assert not (tmp_path / "out").exists()
+    for flag, value in (("--model", "Qwen/Qwen2.5-0.5B-Instruct"), ("--dataset", "openai/gsm8k:main"),
+                        ("--tools", "calculator")):  # hub ids, and the built-in tool: no local path to look for
+        assert getattr(grpo.parse_args([flag, value]), flag[2:]) == value
+
+
+def test_answers_correct_cannot_read_are_counted_and_refused_at_start(tmp_path):
+    """GSM8K-style records whose answers lost their '#### N': the reference is the whole worked solution, which
+    `correct` compares with a completion's final answer, so no completion ever scores 1 (here not even the right
+    number, boxed). Where a reward reads the answer, they are refused at start-up, with how many and one of
+    them (several lines, or more than rewards.MAX_ANSWER characters: no final answer); with '#### N' they load,
+    and a run whose rewards read no answer takes them as they are."""
+    solution = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips in all."
+    assert R.correct("\\boxed{72}", solution) == 0 and R.correct("\\boxed{72}", "72") == 1
+    rows = [{"question": f"Q{i}?", "answer": solution} for i in range(3)] + [{"question": "Q?", "answer": "72"},
+                                                                            {"question": "L?", "answer": "7" * 301}]
+    data = write(tmp_path / "gsm.jsonl", [json.dumps(r) for r in rows])
+    a = grpo.parse_args(["--dataset", data])
+    with pytest.raises(SystemExit, match=r"^grpo: error: 4 answers `correct` cannot read, e.g. 'Natalia sold 48/2 = "
+                                         r"<<48/2=24>>24 clips ': end each in '#### N'$"):
+        grpo.load_data(a, grpo.build_rewards(a))
+    held_out = grpo.parse_args(["--eval-dataset", data])  # evaluation grades by `correct` too
+    with pytest.raises(SystemExit, match="^grpo: error: 4 answers `correct` cannot read"):
+        grpo.load_data(held_out, grpo.build_rewards(held_out))
+    fixed = write(tmp_path / "fixed.jsonl", [json.dumps({"question": "Q?", "answer": solution + "\n#### 72"})])
+    assert grpo.load_data(grpo.parse_args(["--dataset", fixed]), grpo.build_rewards(a))[0][0]["answer"] == "72"
+    shaped = grpo.parse_args(["--dataset", data, "--rewards", "format"])
+    assert grpo.load_data(shaped, grpo.build_rewards(shaped))[0][0]["answer"] == solution
+
+
+def test_dry_run_says_the_run_s_state_decides_an_equal_group_where_a_term_remembers(monkeypatch):
+    """A term with memory across steps, a fork of step_terms (a running baseline: A = R - b once b has history, so
+    an equal-reward group is trained then, and flagged flat only at the first step): probe's made-up numbers at
+    one step would say such groups are skipped; --dry-run says the run's state decides (naming what it keeps),
+    and what the first step does. A term whose state changes nothing of it (the KL's β) keeps its plain words."""
+    plain, step_terms = grpo.probe(grpo.Args())[2]["equal"], grpo.step_terms
+    def with_a_baseline(s, a, state):
+        made, stats, words = step_terms(s, a, state)
+        if "baseline" in state:  # history: A = R - b on every row, an equal group's too
+            adv = (s["reward"] - state["baseline"])[:, None]
+            made.update(adv=adv, row_adv=adv, flat=made["flat"] & False)
+        state["baseline"] = 0.9 * state.get("baseline", s["reward"].mean()) + 0.1 * s["reward"].mean()
+        return made, stats, words
+    monkeypatch.setattr(grpo, "step_terms", with_a_baseline)
+    said = f"as the run's state (baseline) has it; at the first step {plain}"
+    assert plain == "(A = 0) skipped: ∇ℓ = 0 there" and grpo.probe(grpo.Args())[2]["equal"] == said
+    assert f"those of equal rewards {said}\n" in grpo.describe(grpo.Args())
+    monkeypatch.undo()
+    for kw in (dict(kl_in_reward=0.1), dict(kl_in_reward=0.1, kl_target=0.01)):  # β: the run's state, too
+        assert grpo.probe(grpo.Args(**kw))[2]["equal"] == "trained: their A is not 0"
+
+
 def test_dry_run_reads_no_model_and_runs_no_reward(tmp_path, capsys):
-    """--dry-run renders the objective from made-up numbers: a --model that is not there and a reward file that
-    would raise are not touched."""
+    """--dry-run renders the objective from made-up numbers: a --model directory with no model in it and a reward
+    file that would raise are not touched."""
     (tmp_path / "rw.py").write_text("raise RuntimeError('imported')\n")
-    grpo.main(["--model", str(tmp_path / "nowhere"), "--reward-fn", f"{tmp_path}/rw.py:f", "--dry-run"])
+    grpo.main(["--model", str(tmp_path), "--reward-fn", f"{tmp_path}/rw.py:f", "--dry-run"])
     assert "R_i = " + f"{tmp_path}/rw.py:f" in capsys.readouterr().out
 
 
@@ -1941,7 +2042,7 @@ def switched_on(f, v):
 def test_dry_run_shows_every_flag_that_changes_the_objective():
     """Each flag the objective depends on changes --dry-run's formula where it acts: a new flag is shown there,
     or listed above as leaving the objective as it is. A number flag is turned on inside its bounds, beside the flag it
-    acts with (NEEDS) switched on."""
+    acts with (its needs) switched on."""
     every_term = grpo.Args(dynamic_sampling=True, overlong_penalty=True, overlong_buffer=10, soft_reweight=True,
                            beta=0.1, teacher_pool="pool.jsonl", teacher_per_group=2, split_grads=True,
                            top_k_groups=2, mask_truncated=True, tis=2.0, dual_clip=3.0, num_iterations=2,
@@ -1954,7 +2055,7 @@ def test_dry_run_shows_every_flag_that_changes_the_objective():
     for f in grpo.dataclasses.fields(grpo.Args):
         if f.name in NOT_THE_OBJECTIVE:
             continue
-        on, *values = grpo.NEEDS.get(f.name, "dry_run").split()  # the flag it acts with (NEEDS), on
+        on, *values = (f.metadata["needs"] or "dry_run").split()  # the flag it acts with, on
         kind = type(getattr(grpo.Args, on))
         partner = [kind(v) for v in values] or switched_on(grpo.Args.__dataclass_fields__[on], getattr(every_term, on))
         with_partner = bases + [replace(every_term, **{on: partner[0]})]
@@ -2297,7 +2398,7 @@ def test_a_prompt_with_no_room_for_t_tokens_is_refused_at_start_with_its_file_an
     short = '{"prompt": "q", "answer": "1"}'
     data = write(tmp_path / "d.jsonl", [short, "", long])
     evals = write(tmp_path / "e.jsonl", [short, long])
-    argv = ["--model", tiny_dir, "--output-dir", str(tmp_path / "out")] + TINY
+    argv = ["--model", tiny_dir, "--output-dir", str(tmp_path / "out")] + NO_EVAL
     for extra, where in ((["--dataset", data], f"{data}:3"), (["--eval-dataset", evals], f"{evals}:2")):
         with pytest.raises(SystemExit, match=f"^grpo: error: {where}: a prompt of {template + 4090} tokens, with "
                                              f"--max-new-tokens 12, is over the model's context .4096.: shorten it"):
@@ -2395,6 +2496,32 @@ def test_every_eos_id_of_the_model_ends_a_completion(eos_dir):
         assert ends == ([] if cut else [len(c) - 1]) and (len(c) == 12 or not cut) and len(lp) == len(c)
     ended_by = {c[-1].item() for c, cut in zip(comps, truncated) if not cut}
     assert len(ended_by - {tok.eos_token_id}) >= 2  # the model's other EOS ids end some
+
+
+def test_pi_old_and_the_reference_are_the_policy_at_its_temperature_over_several_updates(tiny_dir):
+    """With --num-iterations 2 the step computes π_old once, before its first update, and with --beta the
+    reference (the adapter off): both of logits / T at --temperature 0.7, as the policy's log-probs and the
+    sampler's are (else every ratio and KL is off by the temperature), here against a forward of the model done
+    by hand."""
+    a = grpo.parse_args(["--model", tiny_dir, "--beta", "0.1", "--num-iterations", "2", "--temperature", "0.7"]
+                        + TINY)
+    model, tok, _ = grpo.load_model(a, torch.device("cpu"))
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n or "embed" in n:
+                p.normal_(std=0.5)  # an adapter that moves the policy off the reference; logits spread wide
+    groups = tiny.fixed_groups(tok, REWARDS, a)
+    batch = grpo.prepare(model, None, groups, a, {})[0]
+    ids, C, mask = batch["input_ids"], batch["mask"].shape[1], batch["mask"] > 0
+    pos = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    def logps(temperature, reference=False):
+        with torch.no_grad(), model.disable_adapter() if reference else contextlib.nullcontext():
+            logits = model(input_ids=ids, attention_mask=batch["attention_mask"], position_ids=pos).logits
+        return (logits[:, -C - 1:-1].float() / temperature).log_softmax(-1).gather(-1, ids[:, -C:, None])[..., 0]
+    for name, reference in (("old_logp", False), ("ref_logp", True)):
+        assert torch.allclose(batch[name][mask], logps(0.7, reference)[mask], atol=1e-4), name
+        assert (logps(1.0, reference) - logps(0.7, reference))[mask].abs().max() > 0.1  # (T shows)
+    assert (batch["old_logp"] - batch["ref_logp"])[mask].abs().max() > 0.1  # (the adapter shows)
 
 
 def test_kl_reference_is_the_base_model(tiny_dir):
@@ -3846,7 +3973,7 @@ def test_mixed_pool_run_with_split_grads(eos_dir, tmp_path, extra):
     the model ends completions at varied lengths (eos_dir), so a length's mean, max and truncated share differ."""
     out = str(tmp_path / "out")
     main(["--algo", "drgrpo", "--model", eos_dir, "--max-steps", "2", "--output-dir", out, "--teacher-per-group",
-          "2", "--split-grads", "--log-samples", "2"] + TINY + extra + mixed_files(tmp_path) + reward_file(tmp_path))
+          "2", "--split-grads", "--log-samples", "2"] + NO_EVAL + extra + mixed_files(tmp_path) + reward_file(tmp_path))
     samples = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
     answers = {f"What is {i} + {i}?": str(2 * i) for i in range(4)}  # mixed_files'
     mean = statistics.mean
@@ -3990,6 +4117,15 @@ def test_a_run_whose_rewards_overflow_their_group_s_std_stops_at_its_first_step(
         main(["--model", tiny_dir, "--output-dir", str(tmp_path / "out"), "--max-steps", "2"] + TINY
              + ["--eval-every", "0"] + reward_file(tmp_path, body)[:2])
     assert not (tmp_path / "out" / "checkpoint").exists()
+
+
+def test_readme_s_tiny_model_commands_each_have_an_output_dir_of_their_own():
+    """README's commands on the tiny model, run one after the other as a new user does: a second one that met the
+    first's grpo_out/ would be refused (it holds a run)."""
+    readme = open(os.path.join(HERE, "README.md")).read()
+    commands = re.findall(r"python grpo\.py --model tiny[^`]*", readme)
+    dirs = [(re.findall(r"--output-dir (\S+)", c) or [grpo.Args.output_dir])[-1] for c in commands]
+    assert len(commands) >= 2 and len(set(dirs)) == len(dirs), commands
 
 
 def test_tiny_py_builds_a_model_from_the_command_line(tmp_path, monkeypatch, capsys):
@@ -4144,7 +4280,7 @@ def test_a_diverging_learning_rate_ends_in_one_line(tiny_dir, tmp_path):
 
 @pytest.mark.parametrize("case, says", [
     ("reward calls sys.exit", "reward 'r' raised SystemExit"),
-    ("reward file missing", "--reward-fn .*: expected an existing PATH.py:FUNCTION"),
+    ("reward file missing", "--reward-fn '.*nope.py:r': no such file or directory"),
     ("no such function", "--reward-fn: .*rw.py has no function 'nope'"),
     ("rewards weight nan", "--rewards: weight 'nan' of 'correct' is not a number finite in float32"),
     ("wandb missing", "--wandb-project: `pip install wandb`"),
@@ -4178,13 +4314,14 @@ def test_resume_continues_the_run_bit_for_bit_from_anywhere(tiny_dir, tmp_path):
     """4 steps in one run == 2 steps, stop, --resume to 4: the same metrics and the same adapter, bit for bit
     (optimizer, prompt stream with dynamic sampling's refills, torch and python RNG restored), so a run repeats
     itself. The resumed run starts in another directory (the relative paths were saved absolute), gives the
-    teacher pool at a new path, and evaluates on more prompts: none of which changes what it trains. The
+    teacher pool at a new path, and evaluates on other prompts: none of which changes what it trains. The
     learning rate warms up linearly over 3 steps, then holds (DAPO's warm-up), across the resume too. Two of the
     four prompts score 0 (their groups are dropped where the teacher's pool reward is 0 too): both steps before the
     stop sample again, so the resumed stream starts 2 rounds of B prompts a step on, not one. A term with
     memory is on: the KL in the reward with an adaptive β (--kl-target), which the run's state carries."""
     common = ["--algo", "dapo", "--model", tiny_dir, "--teacher-per-group", "1", "--max-gen-rounds", "2"] + TINY \
-        + mixed_files(tmp_path, relative=True) + ["--reward-fn", "rw.py:digits", "--warmup-steps", "3"] \
+        + mixed_files(tmp_path, relative=True) + ["--eval-dataset", "data.jsonl"] \
+        + ["--reward-fn", "rw.py:digits", "--warmup-steps", "3"] \
         + ["--no-overlong-penalty", "--kl-in-reward", "0.5", "--kl-target", "1e-3"]  # (the lengths' penalties
     # would part every group's rewards)
     reward_file(tmp_path, "def digits(c, a, prompt, **kw):\n    return 0.0 if prompt in ('What is 0 + 0?', "
@@ -4196,7 +4333,7 @@ def test_resume_continues_the_run_bit_for_bit_from_anywhere(tiny_dir, tmp_path):
     moved.mkdir()
     os.replace(tmp_path / "pool.jsonl", moved / "pool.jsonl")
     p = cli(["--output-dir", split, "--resume", "--max-steps", "4", "--teacher-pool", "moved/pool.jsonl",
-             "--eval-prompts", "6"], cwd=tmp_path)
+             "--eval-prompts", "2"], cwd=tmp_path)
     assert p.stdout.strip().splitlines()[-1] == f"grpo: step 4 saved in {split}/checkpoint; metrics in " \
                                                 f"{split}/metrics.jsonl"
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith("eval/")} for r in steady(rows)]  # noqa
@@ -4282,7 +4419,7 @@ def test_a_curriculum_in_draw_and_a_schedule_over_max_steps_resume_bit_for_bit(t
     monkeypatch.setattr(grpo, "draw", curriculum)
     monkeypatch.setattr(grpo, "at_step", recording)
     (tmp_path / "rw.py").write_text(SOLVED_OR_DIGITS)
-    common = ["--algo", "dapo", "--model", tiny_dir] + TINY + mixed_files(tmp_path)[:2] + CURRICULUM \
+    common = ["--algo", "dapo", "--model", tiny_dir] + NO_EVAL + mixed_files(tmp_path)[:2] + CURRICULUM \
         + ["--log-samples", "2", "--max-gen-rounds", "2"]
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     main(common + ["--output-dir", straight, "--max-steps", "4"], cwd=tmp_path)
@@ -4440,7 +4577,7 @@ def saves(tiny_dir, tmp_path_factory):
     where = tmp_path_factory.mktemp("saves")
     data = write(where / "data.jsonl", [json.dumps({"prompt": f"What is {i} + 1?", "answer": str(i + 1)})
                                         for i in range(4)])
-    argv = ["--model", tiny_dir, "--dataset", data, "--eval-every", "0"] + TINY + ["--output-dir", str(where / "run")]
+    argv = ["--model", tiny_dir, "--dataset", data, "--eval-every", "0"] + NO_EVAL + ["--output-dir", str(where / "run")]
     main(argv + ["--max-steps", "1"])
     shutil.copytree(where / "run" / "checkpoint", where / "step1")
     main(argv + ["--max-steps", "2", "--resume"])
@@ -4745,6 +4882,23 @@ def test_ctrl_c_while_starting_is_one_line(tiny_dir, tmp_path, monkeypatch, caps
     assert capsys.readouterr().err == "grpo: stopped while starting: nothing saved\n"
 
 
+def test_sigterm_while_starting_is_one_line(tmp_path):
+    """SIGTERM (a scheduler's, `kill`'s) while the run starts, here while it waits for the lock of the run in
+    --output-dir, stops it as Ctrl-C does: one line, exit 128 + SIGTERM, nothing written."""
+    out = tmp_path / "out"
+    out.mkdir()
+    with open(out / ".lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # another run's
+        p = background(tmp_path, [sys.executable, os.path.join(HERE, "grpo.py"), "--output-dir", str(out), "--resume"])
+        try:
+            wait_for("a wait", lambda: "is in use by another run: waiting for it to end" in p.err(), p)
+            assert stop(p, signal.SIGTERM) == 128 + signal.SIGTERM, p.err()[-3000:]
+        finally:
+            p.kill()
+    assert p.err().splitlines()[-1] == "grpo: stopped while starting: nothing saved" and "Traceback" not in p.err()
+    assert os.listdir(out) == [".lock"]
+
+
 def test_an_output_dir_that_cannot_be_made_or_that_a_run_deletes_is_refused_first(tiny_dir, tmp_path, monkeypatch):
     """Under a file or a device, or inside another run's checkpoint/ (.old/, .tmp/), which its next save deletes:
     one line, before the model loads."""
@@ -4804,7 +4958,7 @@ def test_each_rank_samples_and_draws_teachers_of_its_own_from_one_prompt_order(t
     def draws(rank, out):
         monkeypatch.setattr(grpo, "setup_distributed", lambda: (rank, 2, torch.device("cpu")))
         a = grpo.parse_args(["--model", tiny_dir, "--output-dir", str(tmp_path / out), "--dataset", data,
-                             "--teacher-pool", pool, "--teacher-per-group", "3"] + TINY)
+                             "--teacher-pool", pool, "--teacher-per-group", "3"] + NO_EVAL)
         run = grpo.start(a)
         order = [next(run.stream)["prompt"] for _ in range(12)]
         groups = grpo.rollout(run.model, run.tok, itertools.repeat(one), run.reward_fns, run.pool, a, run.state, None,
@@ -4882,6 +5036,15 @@ a = grpo.parse_args(["--model", model_dir, "--dataset", data, "--prompts-per-ste
 torch.manual_seed(0)
 model, tok, _ = grpo.load_model(a, device)
 train, _ = grpo.load_data(a)
+real, drawn = grpo.generate, []
+def recording(model, tok, texts, n, a, greedy=False, **kw):  # what each rank's evaluation draws
+    out = real(model, tok, texts, n, a, greedy=greedy, **kw)
+    drawn.append([greedy, len(texts), [c.tolist() for c in out[1]]])
+    return out
+grpo.generate = recording  # the model's own samples, of 4 copies of one prompt: 2 on each of 2 ranks
+scores = grpo.evaluate(model, tok, [train[0]] * 4, dataclasses.replace(a, eval_samples=2), rank, world)
+result["sampled"] = [scores, grpo.all_gather(drawn)]
+grpo.generate = real
 torch.manual_seed(1000 * rank)
 for case, schedule in SCHEDULES.items():
     order = [ex["prompt"] for ex in itertools.islice(grpo.prompt_stream(train, a.seed), len(schedule))]
@@ -4969,6 +5132,18 @@ def test_two_processes_filter_as_one_and_refuse_what_they_cannot_run(tiny_dir, t
     assert all(0 < m[f"loss/{k}_frac"] < 1 for k in ("opsm", "tis", "low_entropy")), m  # (rank 0's rows, 1's)
     assert 0 < m["tools/call_frac"] < 1 and 0 < m["tools/errors"] < 1  # (--tools: the calls of every rank's rows)
     assert m["kl/in_reward_coef"] == 0.05  # a term with state: its first step's β, on both ranks as on one
+    # the evaluation by the model's own samples: the prompts split over the ranks, each evaluated once (none
+    # twice, none left out), each rank drawing its own samples (of one prompt, so that ranks that drew alike
+    # would show it), and the greedy accuracy the one process's (the sampled scores differ, the draws being others)
+    for run, world in ((one, 1), (two, 2)):
+        drawn = run["sampled"][1]
+        assert len(drawn) == world and all(len(calls) == 2 for calls in drawn)  # a greedy call, a sampled one
+        assert sum(n for calls in drawn for greedy, n, _ in calls if greedy) == 4
+        assert sum(n for calls in drawn for greedy, n, _ in calls if not greedy) == 4
+        assert sum(len(comps) for calls in drawn for greedy, _, comps in calls if not greedy) == 4 * 2
+    greedy, sampled = ([comps for calls in two["sampled"][1] for g, _, comps in calls if g == want] for want in (1, 0))
+    assert greedy[0] == greedy[1] and sampled[0] != sampled[1]
+    assert two["sampled"][0]["eval/accuracy"] == one["sampled"][0]["eval/accuracy"]
 
 
 def test_two_processes_mixed_pool_refill_sigterm_and_resume(tiny_dir, tmp_path):
@@ -4981,8 +5156,8 @@ def test_two_processes_mixed_pool_refill_sigterm_and_resume(tiny_dir, tmp_path):
     left = tmp_path / "left.json"
     (tmp_path / "rw.py").write_text(TWO_RANKS_REWARD.format(straight=straight, left=str(left)))
     args = [os.path.join(HERE, "grpo.py"), "--algo", "dapo", "--model", tiny_dir, "--teacher-per-group", "2",
-            "--split-grads", "--max-gen-rounds", "2", "--max-steps", "3", "--rewards", "correct"] + TINY \
-        + ["--eval-every", "0", "--log-samples", "4"] + mixed_files(tmp_path)  # every group of 2 rounds of B = 2
+            "--split-grads", "--max-gen-rounds", "2", "--max-steps", "3", "--rewards", "correct"] + NO_EVAL \
+        + ["--log-samples", "4"] + mixed_files(tmp_path)  # every group of 2 rounds of B = 2
     subprocess.run(TORCHRUN + args + ["--reward-fn", f"{tmp_path}/rw.py:r", "--output-dir", straight], cwd=HERE,
                    check=True, capture_output=True)
     args += held_judge(tmp_path, split, after=1)  # once step 1 is logged, step 2's rollout is held

@@ -114,7 +114,9 @@ def ddp_updates(model_dir, out):
     rank, world, device = grpo.setup_distributed()
     results = {}
     for loss_agg, split in CONFIGS:
-        extra = ["--teacher-pool", "p.jsonl", "--teacher-per-group", "2", "--split-grads"] if split else []
+        pool = out + ".pool.jsonl"  # (a pool the flags name; the groups are made here)
+        open(pool, "a").close()
+        extra = ["--teacher-pool", pool, "--teacher-per-group", "2", "--split-grads"] if split else []
         extra += ["--num-generations", "2" if split else "4"]  # G = 4 rows a group, as the rewards below
         a = grpo.parse_args(["--model", model_dir, "--loss-agg", loss_agg, "--max-new-tokens", "8", "--max-grad-norm",
                              "0", "--micro-batch-size", "3", "--beta", "0", "--scale", "std"] + extra)

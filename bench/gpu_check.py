@@ -62,7 +62,7 @@ def runs(tmp):
         f.writelines(json.dumps({"prompt": d["prompt"], "completion": c, "reward": r}) + "\n" for d in data
                      for c, r in ((f"\\boxed{{{d['answer']}}}", 1.0), ("\\boxed{0}", 0.0)))
     mixed = ["--dataset", f"{tmp}/data.jsonl", "--teacher-pool", f"{tmp}/pool.jsonl", "--teacher-per-group", "2",
-             "--split-grads"]
+             "--split-grads", "--eval-dataset", f"{tmp}/data.jsonl"]  # (STEPS' evaluation flags need a set)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
     yield "grpo", [], []
     yield "drgrpo", [], []
