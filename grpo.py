@@ -45,7 +45,7 @@ import tempfile
 import textwrap
 import time
 import zlib
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 
 import torch
 import torch.distributed as dist
@@ -668,19 +668,29 @@ def run_tool(tools: dict, call: dict) -> dict:
     if call["name"] not in tools["names"] or type(call["arguments"]) is not dict:
         return {**call, "result": f"error: call one of {tools['names']} with a JSON object", "error": True}
     if tools["proc"] is None or tools["proc"].poll() is not None:  # (again after a crash or a timeout)
-        tools["proc"] = subprocess.Popen(tools["argv"], cwd=tools["dir"].name, encoding="utf-8",
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        atexit.register(tools["proc"].kill)  # a run that stops while a tool hangs leaves no process behind
+        end_worker(tools)  # what its tools started, too
+        tools["proc"] = subprocess.Popen(tools["argv"], cwd=tools["dir"].name, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, encoding="utf-8", start_new_session=True)
+        atexit.register(end_worker, tools)  # a run that stops while a tool hangs leaves no process behind
     proc = tools["proc"]
-    print(json.dumps([call["name"], call["arguments"]]), file=proc.stdin, flush=True)
-    ready = select.select([proc.stdout], [], [], tools["timeout"])[0]
+    try:
+        print(json.dumps([call["name"], call["arguments"]]), file=proc.stdin, flush=True)
+        ready = select.select([proc.stdout], [], [], tools["timeout"])[0]
+    except BrokenPipeError:  # it ended after its last reply: this call's error, not the run's
+        ready = None
     line = proc.stdout.readline() if ready else ""
     if line.endswith("\n"):
         return {**call, **json.loads(line)}
-    proc.kill()
-    proc.wait()
-    why = f"ran past --tool-timeout {tools['timeout']:g} s" if not ready else f"exit code {proc.returncode}"
-    return {**call, "result": f"error: its process was ended ({why})", "error": True, "timeout": not ready}
+    late = ready == [] and proc.poll() is None  # (else it ended, though a child it forked may hold the pipe)
+    end_worker(tools)
+    why = f"ran past --tool-timeout {tools['timeout']:g} s" if late else f"exit code {proc.returncode}"
+    return {**call, "result": f"error: its process was ended ({why})", "error": True, "timeout": late}
+
+def end_worker(tools: dict):  # its process group: all a tool started (unless in a session of its own)
+    proc, tools["proc"] = tools["proc"], None
+    with suppress(ProcessLookupError, AttributeError):  # (no process left in it; None: none started)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 # ----------------------------------------------------------------------------- reward and groups
 def parse_rewards(spec: str) -> list[tuple[str, str, float]]:

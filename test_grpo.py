@@ -3254,31 +3254,115 @@ def test_every_failure_of_a_tool_is_a_result_and_nothing_it_does_touches_the_run
 
 
 def test_a_run_that_ends_while_a_tool_hangs_leaves_no_process_behind(tools_dir, tmp_path):
-    """The tools' process is killed as the trainer's ends (a stop, an error): one hanging in a tool is not left
-    running forever."""
+    """The tools' process, and the child a tool forked, are killed as the trainer's ends (a stop, an error): one
+    hanging in a tool is not left running forever."""
     (tmp_path / "t.py").write_text(TOOLS_FILE.replace("time.sleep(10000)", "open('hanging', 'w').close()\n"
-                                                      "    time.sleep(10000)"))
-    script = f"""import os, sys, threading, time
+                                                      "    time.sleep(10000)") + PROCS_FILE)
+    script = f"""import os, pathlib, sys, threading, time
 sys.path.insert(0, {HERE!r})
 import grpo, torch
 a = grpo.parse_args(["--model", {tools_dir!r}, "--tools", "{tmp_path}/t.py", "--tool-timeout", "600"])
 tools = grpo.load_tools(a, grpo.load_model(a, torch.device("cpu"))[1])
+assert grpo.run_tool(tools, {{"name": "fork", "arguments": {{"then": 0}}}})["result"] == "forked"
 threading.Thread(target=grpo.run_tool, args=(tools, {{"name": "hang", "arguments": {{}}}}), daemon=True).start()
 while not os.path.exists(os.path.join(tools["dir"].name, "hanging")):
     time.sleep(0.05)
-print(tools["proc"].pid, flush=True)
+print(pathlib.Path(tools["dir"].name, "pids").read_text(), flush=True)
 """
-    pid = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600).stdout)
+    pids = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600).stdout
+    (tmp_path / "pids").write_text(pids)
+    assert len(pids.split()) == 2 and live(tmp_path) == []
 
-    def running():  # (a zombie, reaped by no one here, is not running)
+
+PROCS_FILE = '''import os, subprocess, threading, time
+def _note(*pids):  # every process a tool runs in or starts, in its directory's "pids"
+    with open("pids", "a") as f:
+        f.write("".join(f"{p}\\n" for p in pids))
+def sleeper() -> str:
+    """Starts `sleep 300` and waits for it."""
+    p = subprocess.Popen(["sleep", "300"])
+    _note(os.getpid(), p.pid)
+    return str(p.wait())
+def fork(then: int) -> str:
+    """Forks a child that sleeps, holding the worker's pipes, then returns (0) or ends its process (then).
+
+    Args:
+        then: 0, or an exit code
+    """
+    child = os.fork()
+    if child == 0:
+        time.sleep(300)
+    _note(os.getpid(), child)
+    if then:
+        os._exit(then)
+    return "forked"
+def leave() -> str:
+    """Ends its process just after its reply."""
+    threading.Timer(0.2, os._exit, (5,)).start()
+    return "bye"
+'''
+
+
+def live(folder, wait: float = 10.0) -> list[int]:
+    """The processes a tools file noted (PROCS_FILE) still running after `wait` s at most (a SIGKILL lands in a
+    moment; a zombie, reaped by no one here, is not running)."""
+    def running(pid):
         try:
             return pathlib.Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
         except FileNotFoundError:
             return False
-    deadline = time.time() + 120
-    while running() and time.time() < deadline:
-        time.sleep(0.1)
-    assert not running()
+    pids = [int(pid) for pid in pathlib.Path(folder, "pids").read_text().split()]
+    deadline = time.time() + wait
+    while any(map(running, pids)) and time.time() < deadline:
+        time.sleep(0.05)
+    return [pid for pid in pids if running(pid)]
+
+
+def test_nothing_a_tool_starts_outlives_a_timeout_a_crash_or_a_restart(tools_dir, tmp_path):
+    """The tools' process runs in a process group of its own, and every end of it ends the group: a timeout (the
+    `sleep` a tool started goes too), a crash while a child it forked holds its pipe (still the crash it was, not
+    a timeout), and a restart after it ended by itself (its forked child goes as the new one starts)."""
+    (tmp_path / "t.py").write_text(PROCS_FILE)
+    a = grpo.parse_args(["--model", tools_dir, "--tools", f"{tmp_path}/t.py", "--tool-timeout", "1"])
+    tools = grpo.load_tools(a, grpo.load_model(a, torch.device("cpu"))[1])
+    folder = tools["dir"].name
+
+    def call(name, **arguments):
+        return grpo.run_tool(tools, {"name": name, "arguments": arguments})
+    assert call("sleeper") == {"name": "sleeper", "arguments": {}, "error": True, "timeout": True,
+                               "result": "error: its process was ended (ran past --tool-timeout 1 s)"}
+    assert len(pathlib.Path(folder, "pids").read_text().split()) == 2 and live(folder) == []
+    assert call("fork", then=3) == {"name": "fork", "arguments": {"then": 3}, "error": True, "timeout": False,
+                                    "result": "error: its process was ended (exit code 3)"}
+    assert live(folder) == []
+    assert call("fork", then=0)["result"] == "forked" and call("leave")["result"] == "bye"
+    pid = tools["proc"].pid
+    while tools["proc"].poll() is None:  # it ends; the child it forked runs on, till the next call
+        time.sleep(0.05)
+    assert len(live(folder, wait=0)) == 1
+    assert call("fork", then=0)["result"] == "forked" and tools["proc"].pid != pid
+    grpo.end_worker(tools)  # as the run ends (atexit)
+    assert live(folder) == [] and tools["proc"] is None
+
+
+def test_a_tools_process_that_ends_after_its_reply_is_that_call_s_error_not_the_run_s(tools_dir, tmp_path):
+    """Seen alive, gone by the time the next call is written (a broken pipe): the call's result says its process
+    ended, and the next call starts a new one."""
+    (tmp_path / "t.py").write_text(PROCS_FILE)
+    a = grpo.parse_args(["--model", tools_dir, "--tools", f"{tmp_path}/t.py"])
+    tools = grpo.load_tools(a, grpo.load_model(a, torch.device("cpu"))[1])
+    assert grpo.run_tool(tools, {"name": "leave", "arguments": {}})["result"] == "bye"
+    proc = tools["proc"]
+    stat = pathlib.Path(f"/proc/{proc.pid}/stat")
+    while stat.read_text().split(") ")[1][0] != "Z":  # ended, not yet reaped
+        time.sleep(0.05)
+    proc.poll = lambda: None  # as if it were seen alive an instant before
+    assert grpo.run_tool(tools, {"name": "fork", "arguments": {"then": 0}}) == {
+        "name": "fork", "arguments": {"then": 0}, "result": "error: its process was ended (exit code 5)",
+        "error": True, "timeout": False}
+    assert grpo.run_tool(tools, {"name": "fork", "arguments": {"then": 0}})["result"] == "forked"
+    grpo.end_worker(tools)
+    assert live(tools["dir"].name) == []
 
 
 @pytest.mark.parametrize("body, spec, says", [
