@@ -512,7 +512,6 @@ def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False
         starts = [run_tool(tools, {"name": "reset"}, i, ep)["result"] for i, ep in enumerate(episodes)][::n]
         texts = [prompt_text(tok, {**ep["record"], "prompt": ep["record"]["prompt"] + start}, a, tools)
                  for ep, start in zip(episodes[::n], starts)]  # (its group's first: a group shares a prompt)
-    episodes = episodes or [None] * (len(texts) * n)
     prompts = [torch.tensor(ids) for ids in tok(texts, add_special_tokens=not tok.chat_template).input_ids]
     pieces = [[] for _ in range(len(texts) * n)]  # a row's (tokens, sampler log-probs, tool mask), in order
     calls = [[] for _ in pieces]
@@ -530,7 +529,7 @@ def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False
                 calls[i] += [{**c, "result": "error: past --max-tool-calls", "error": True} for c in found]
             if not found or len(calls[i]) > a.max_tool_calls or len(turn) == left:
                 continue  # the completion ends with this turn
-            calls[i] += [run_tool(tools, call, i, episodes[i]) for call in found]
+            calls[i] += [run_tool(tools, call, i, episodes and episodes[i]) for call in found]
             if any(c.get("done") for c in calls[i][-len(found):]):
                 continue  # the environment ended the episode
             result = torch.tensor(tool_turn(tok, eos, calls[i][-len(found):], left - len(turn)))
@@ -636,8 +635,7 @@ def tool_turn(tok, eos: list[int], calls: list[dict], room: int) -> list[int]:
     return full[end:end + room]
 
 def load_tools(a: Args, tok, records=()) -> dict:
-    """--env: a class's public methods, an instance a completion (TRL's environment_factory); --tools: a
-    file's functions, an environment without state. -> their schemas, the process they run in (TOOL_WORKER)"""
+    """--env: a class, an instance a completion (TRL's environment_factory); --tools: one without state."""
     from transformers.utils import get_json_schema  # from type hints and docstrings, as TRL's
     path, names = split_path(a.env or a.tools)
     what = f"--env {a.env!r}" if a.env else f"--tools {a.tools!r}"
@@ -708,16 +706,16 @@ def run_tool(tools: dict, call: dict, row: int = 0, episode=None) -> dict:
                                          stdout=subprocess.PIPE, encoding="utf-8", start_new_session=True)
         atexit.register(end_worker, tools)  # a run that stops while a tool hangs leaves no process behind
         tools["proc"].stdout.readline()  # ready: the file imported (or nothing, if it could not be)
-    proc, episode = tools["proc"], episode or {"record": {}}
+    proc, ep = tools["proc"], episode or {"record": {}}
     try:
-        message = [row, episode["record"], call["name"], call.get("arguments")]  # (a reset has no arguments)
+        message = [row, ep["record"], call["name"], call.get("arguments")]  # (a reset has no arguments)
         print(json.dumps(message), file=proc.stdin, flush=True)
         ready = select.select([proc.stdout], [], [], tools["timeout"])[0]
     except BrokenPipeError:  # it ended after its last reply: this call's error, not the run's
         ready = None
     line = proc.stdout.readline() if ready else ""
     if line.endswith("\n"):
-        episode["env"] = (reply := json.loads(line)).pop("env")
+        ep["env"] = (reply := json.loads(line)).pop("env")
         return {**call, **reply}
     late = ready == [] and proc.poll() is None  # (else it ended, though a child it forked may hold the pipe)
     end_worker(tools)
@@ -796,10 +794,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:  # of n samples, c correct: P(on
     return 1 - math.comb(n - c, k) / math.comb(n, k)  # (Chen et al. 2021, 2107.03374, eq. 1)
 
 def reward_keywords(a: Args, length: int, episode=None) -> dict:  # tokens, the tools' too (as T counts)
-    e = {"tool_calls": [], "env": {}, **(episode or {})}  # --tools, --env: each call's name, arguments,
+    e = {"tool_calls": [], "env": {}, **(episode or {})}  # calls: name, arguments, result (+ error, timeout,
     kw = dict(length=length, tool_calls=list(e["tool_calls"])) if a.tools or a.env else dict(length=length)
-    return {**kw, "env": argparse.Namespace(**e["env"])} if a.env else kw  # result ("error", "timeout",
-    # "done" if so), as samples.jsonl shows them; --env: a copy of its instance's attributes as it ended
+    return {**kw, "env": argparse.Namespace(**e["env"])} if a.env else kw  # done); env: a copy, as it ended
 
 def group_size(a: Args) -> int:  # G: the samples and the teacher's completions of a prompt
     return a.num_generations + a.teacher_per_group
