@@ -3558,6 +3558,30 @@ def test_an_environment_that_cannot_serve_stops_the_run_at_start_in_one_line(too
         grpo.load_tools(a, tok, records)
 
 
+def test_the_guessing_game_s_warm_start_plays_as_grpo_s_loop_renders_it(tools_dir, monkeypatch):
+    """bench/learn_env.py (python bench/learn_env.py --smoke runs every part in a minute): binary search on the
+    replies wins every game within 7 guesses; a transcript is the model's call turns and the environment's replies
+    between them as grpo.generate renders them (mask 0 on the replies), ending at the win, with the number its
+    record's seed draws (bench/guess_env.py)."""
+    sys.path.insert(0, os.path.join(HERE, "bench"))
+    import learn_env
+    assert all(play[-1][1] == "right" and len(play) <= 7 for play in (
+        learn_env.play(n, True, None) for n in range(1, 101)))
+    ex = learn_env.games(1, 0)[0]
+    a = grpo.parse_args(["--model", tools_dir, "--env", f"{learn_env.GAME}:Guess", "--system-prompt", ""])
+    model, tok = grpo.load_model(a, torch.device("cpu"))[:2]
+    tools = grpo.load_tools(a, tok, [ex])
+    prompt, ids, mask = learn_env.transcript(tok, tools, ex, True, "", None)
+    turns = [GUESS.format(n) for n, _ in learn_env.play(int(ex["answer"]), True, None)]
+    monkeypatch.setattr(grpo, "sample", scripted(tok, [[t] for t in turns]))
+    episodes = [{"record": ex}]
+    _, comps, _, _, masks, calls = grpo.generate(model, tok, [""], 1, replace(a, max_new_tokens=400), tools=tools,
+                                                 episodes=episodes)
+    grpo.end_worker(tools)
+    assert comps[0].tolist() == ids and masks[0].tolist() == mask and calls[0][-1]["result"] == "right"
+    assert prompt == grpo.chat_prompt(tok, ex["prompt"], "", tools) and episodes[0]["env"]["won"]
+
+
 def test_the_tiny_model_s_tools_template_renders_as_qwen2_5_s(tools_loaded):
     """tiny.TOOLS_CHAT_TEMPLATE against Qwen2.5-Instruct's rendering, written out: its default system message
     when none is given, the # Tools block with one JSON schema a line, an assistant turn's calls, and results as
