@@ -1079,7 +1079,7 @@ def test_evaluate_reports_greedy_mean_and_pass_at_k(loaded, monkeypatch):
     a = replace(a, eval_samples=4)
     right = {"p0": 0, "p1": 1, "p2": 3}  # right sampled answers per prompt; greedy is right on p2 only
 
-    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None):
+    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None, episodes=None):
         prompts = [next(p for p in right if p in t) for t in texts]
         answers = [("7" if greedy and p == "p2" else "0") if greedy else ("7" if i < right[p] else "0")
                    for p in prompts for i in range(n)]
@@ -2032,7 +2032,7 @@ def test_a_number_answer_is_the_shortest_text_that_reads_back_in_its_own_precisi
     assert grpo.score(boxed, evals, [5] * 6, fns, grpo.parse_args([]))[0].tolist() == [1.0] * 6
     a, model, tok = loaded
 
-    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None):  # each prompt's boxed answer
+    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None, episodes=None):  # each prompt's boxed answer
         asked = [next(i for i in range(6) if f"q{i}<" in t) for t in texts]  # the prompt ends 'q3<|im_end|>'
         comps = [torch.tensor(tok(boxed[i], add_special_tokens=False).input_ids) for i in asked for _ in range(n)]
         return None, comps, None, None, [torch.ones(len(c)) for c in comps], None
@@ -2738,7 +2738,7 @@ def test_the_overlong_penalty_reaches_the_reward(loaded, monkeypatch):
     a = grpo.parse_args(["--algo", "dapo", "--overlong-buffer", "4"] + TINY)
     lengths, cut = [2, 8, 9, 11, 12, 12, 3, 10], [False] * 5 + [True] + [False] * 2
 
-    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None):
+    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None, episodes=None):
         prompts = [torch.tensor(tok(t, add_special_tokens=False).input_ids) for t in texts]
         comps = [torch.tensor([7] * (k - 1) + [7 if c else tok.eos_token_id]) for k, c in zip(lengths, cut)]
         return prompts, comps, cut, [torch.zeros(k) for k in lengths], [torch.ones(k) for k in lengths], [[]] * 8
@@ -5052,7 +5052,7 @@ for case, schedule in SCHEDULES.items():
     groups = sum(grpo.all_gather([[g["prompt"], g["rewards"].tolist(), g["adv"].tolist()] for g in kept]), [])
     result[case] = [sorted(groups), {k: v for k, v in stats.items() if k.startswith(("groups/kept", "groups/gen",
                                                                                       "adv/"))}]
-def generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None):  # completions set by a prompt's k
+def generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None, episodes=None):  # completions set by a prompt's k
     rows = [(int(t.split("Question ")[1].split("?")[0]), j) for t in texts for j in range(n)]
     comps = [tok(f"\\boxed{{{k % 3 if greedy else (k + j) % 2}}}" + " so" * (k % 4 + j), add_special_tokens=False)
              .input_ids + [tok.eos_token_id] * ((k + j) % 3 > 0) for k, j in rows]  # (k + j) % 3 == 0: truncated
