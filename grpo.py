@@ -45,7 +45,7 @@ import tempfile
 import textwrap
 import time
 import zlib
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 
 import torch
 import torch.distributed as dist
@@ -104,8 +104,9 @@ class Args:
     top_k: int = flag(0, "top-k sampling (0: off)")
     compile_generate: str = flag("auto", "compiled sampler (auto: with CUDA)", ("auto", "on", "off"))
     tools: str = flag("", "tools the model may call: calculator, PATH.py (its public functions), PATH.py:f,g")
-    max_tool_calls: int = flag(8, "tool calls a completion at most", needs="tools")
-    tool_timeout: float = flag(10.0, "seconds a call may run, then killed", bounds="(0, inf)", needs="tools")
+    env: str = flag("", "PATH.py:Class: an instance a completion, reset(**record), its methods the tools")
+    max_tool_calls: int = flag(8, "tool calls a completion at most (--tools, --env)")
+    tool_timeout: float = flag(10.0, "seconds a call may run, then its process is killed", bounds="(0, 1e6]")
     rewards: str = flag("correct", "built-in rewards, weighted: correct:1,format:0.2 (rewards.py)")  # reward
     reward_fn: str = flag("", "your own reward, PATH.py:FUNCTION; used alone unless --rewards is given")
     reward_model: str = flag("", "a reward model: a sequence classifier (ID or PATH), --rewards' model:W")
@@ -162,7 +163,7 @@ class Args:
     weight_decay: float = flag(0.0, "AdamW weight decay")
     max_grad_norm: float = flag(1.0, "clip the gradient norm (0: no clipping)")
 
-PATHS = ("model", "dataset", "eval_dataset", "reward_fn", "reward_model", "teacher_pool", "tools")  # may move
+PATHS = ("model", "dataset", "eval_dataset", "reward_fn", "reward_model", "teacher_pool", "tools", "env")
 RESUMABLE = {"resume", "overwrite", "output_dir", "max_steps", "save_every", "eval_every", "eval_prompts",
              "eval_samples", "log_samples", "wandb_project", "compile_generate", "dry_run", *PATHS,
              "micro_batch_size", "gradient_checkpointing"}  # memory only (clip_cov, kl_cov: per micro-batch)
@@ -262,6 +263,8 @@ def check_args(a: Args, typed=()):
          f"task has {HELD_OUT}"),
         (a.dataset and not a.eval_dataset and any(getattr(a, k) for k in typed if k.startswith("eval_")),
          "--eval-every, --eval-prompts and --eval-samples do nothing without --eval-dataset: add it"),
+        (not (a.tools or a.env) and {"max_tool_calls", "tool_timeout"} & set(typed), "--max-tool-calls and "
+         "--tool-timeout do nothing without --tools or --env: add one, or drop them"),
         (not a.rewards.strip(", ") and not a.reward_fn, "no reward: give --rewards and/or --reward-fn"),
         (a.wandb_project and not importlib.util.find_spec("wandb"), "--wandb-project: `pip install wandb`")]
     for bad, msg in checks:
@@ -498,12 +501,16 @@ def completion_mask(ids: torch.Tensor, eos_ids) -> torch.Tensor:
     return torch.arange(ids.shape[1], device=ids.device)[None] <= first[:, None]
 
 def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False, sampler=None, tools=None,
-             temps=None):
-    """n completions a prompt, to EOS or T tokens; --tools: a turn that ends in calls gets their results
-    (tool_turn) and draws on, T tokens in all. -> prompt ids, completions, truncated (not ended by the model's
-    EOS), the sampler's log-probs (NaN: a tool's), tool masks (0: a tool's token), the calls. temps: a
-    prompt's temperature (a's if None)."""
+             episodes=None, temps=None):
+    """n completions a prompt, to EOS or T tokens; --tools, --env: a turn that ends in calls gets its results
+    (tool_turn) and draws on, T tokens in all, till the environment is done. -> prompt ids, completions,
+    truncated (not ended by the model's EOS), the sampler's log-probs (NaN: a tool's), tool masks (0: a
+    tool's token), the calls; episodes (a row's {"record": ...}) get "env" (run_tool). temps: a prompt's."""
     eos = model.generation_config.eos_token_id
+    if tools and episodes:  # each row's instance, reset with its record: a text it returns ends the user turn
+        starts = [run_tool(tools, {"name": "reset"}, i, ep)["result"] for i, ep in enumerate(episodes)][::n]
+        texts = [prompt_text(tok, {**ep["record"], "prompt": ep["record"]["prompt"] + start}, a, tools)
+                 for ep, start in zip(episodes[::n], starts)]  # (its group's first: a group shares a prompt)
     prompts = [torch.tensor(ids) for ids in tok(texts, add_special_tokens=not tok.chat_template).input_ids]
     pieces = [[] for _ in range(len(texts) * n)]  # a row's (tokens, sampler log-probs, tool mask), in order
     calls = [[] for _ in pieces]
@@ -522,7 +529,9 @@ def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False
                 calls[i] += [{**c, "result": "error: past --max-tool-calls", "error": True} for c in found]
             if not found or len(calls[i]) > a.max_tool_calls or len(turn) == left:
                 continue  # the completion ends with this turn
-            calls[i] += [run_tool(tools, call) for call in found]
+            calls[i] += [run_tool(tools, call, i, episodes and episodes[i]) for call in found]
+            if any(c.get("done") for c in calls[i][-len(found):]):
+                continue  # the environment ended the episode
             result = torch.tensor(tool_turn(tok, eos, calls[i][-len(found):], left - len(turn)))
             pieces[i].append((result, torch.full(result.shape, math.nan), torch.zeros(len(result))))
             if len(turn) + len(result) < left:
@@ -597,8 +606,9 @@ def longest_prompt(model, tok, a: Args, train, evals, every: bool, tools=None) -
     longest = 0
     for source, split, examples in ((a.dataset, "train", train), (a.eval_dataset, "test", evals)):
         doubt = [i for i, ex in enumerate(examples) if every or len(ex["prompt"].encode()) + bound > room]
-        texts = [prompt_text(tok, examples[i], a, tools) for i in doubt] or [""]
-        for i, ids in zip(doubt, tok(texts, add_special_tokens=not tok.chat_template).input_ids):
+        for i in doubt:  # one at a time: each holds the tools' schemas (memory)
+            text = prompt_text(tok, examples[i], a, tools)
+            ids = tok(text, add_special_tokens=not tok.chat_template).input_ids
             if len(ids) > room:  # refused now, not met hours in as an allocation error inside generate
                 where = read_records(source, split)[i][0] if source else "the built-in task"
                 fail(f"{where}: a prompt of {len(ids)} tokens, with --max-new-tokens {a.max_new_tokens}, is "
@@ -644,63 +654,99 @@ def tool_turn(tok, eos: list[int], calls: list[dict], room: int) -> list[int]:
         fail("--tools: the chat template renders a turn that made calls otherwise once results follow it")
     return full[end:end + room]
 
-def load_tools(a: Args, tok) -> dict:
-    """--tools: their JSON schemas and the process their calls run in (TOOL_WORKER)."""
+def load_tools(a: Args, tok, records=()) -> dict:
+    """--env: a class, an instance a completion (TRL's environment_factory); --tools: one without state."""
     from transformers.utils import get_json_schema  # from type hints and docstrings, as TRL's
-    path, names = split_path(a.tools)
+    path, names = split_path(a.env or a.tools)
+    what = f"--env {a.env!r}" if a.env else f"--tools {a.tools!r}"
     if a.tools == "calculator":  # the built-in, rewards.py's
         path, names = inspect.getfile(calculator), ":calculator"
     try:
         found = runpy.run_path(path)  # as --reward-fn's file; the calls run in a process of their own
-        public = [k for k, v in found.items() if inspect.isfunction(v) and v.__module__ == "<run_path>"]
-        chosen = names[1:].split(",") if names else [k for k in public if not k.startswith("_")]
-        schemas = [get_json_schema(found[k]) for k in chosen]
-    except (Exception, SystemExit) as e:  # a file that does not load: one line, at start-up
-        fail(f"--tools {a.tools!r}: {type(e).__name__}: {e}")
+        env = found[names[1:]] if a.env else None  # --env: the class, its methods offered bound (no self)
+        fns = {k: v.__get__(env) if a.env else v for k, v in (vars(env) if a.env else found).items()
+               if inspect.isfunction(v) and v.__module__ == "<run_path>" and k[0] != "_" and k != "reset"}
+        chosen = names[1:].split(",") if names and not a.env else list(fns)
+        schemas = [get_json_schema(fns[k]) for k in chosen if k in fns]
+        json.dumps(records)  # (a record goes to the tools' process, as JSON)
+        if a.env and not callable(getattr(env, "reset", None)):
+            raise TypeError(f"{names[1:]} is no class with a method reset(self, **record)")
+    except (Exception, SystemExit) as e:  # a file that does not load, a record that is not JSON: one line
+        fail(f"{what}: {type(e).__name__}: {e}")
+    for k in chosen or [""]:  # each a public function (or method), its arguments named (no *args, **kwargs)
+        if k not in fns or {p.kind for p in inspect.signature(fns[k]).parameters.values()} & {2, 4}:
+            fail(f"{what}: no public function {k!r} (typed, documented, no *args or **kwargs) in {path}")
     shown = chat_prompt(tok, "", "", {"schemas": schemas})
-    if not schemas or not all(s["function"]["name"] in shown for s in schemas):
-        fail(f"--tools {a.tools!r}: no tool, or a chat template (--model's) that shows none: {shown[:60]!r}")
+    if not all(s["function"]["name"] in shown for s in schemas):
+        fail(f"{what}: the chat template (--model's) shows no tool: {shown[:60]!r}")
     tool_turn(tok, [tok.eos_token_id], [{"name": "f", "result": ""}], 1)  # a tool message renders
-    return dict(schemas=schemas, names=chosen, argv=[sys.executable, "-c", TOOL_WORKER, path], proc=None,
-                timeout=a.tool_timeout, dir=tempfile.TemporaryDirectory(prefix="grpo_tools_"))
+    argv = [sys.executable, "-c", TOOL_WORKER, path, names[1:] if a.env else ""]
+    return dict(schemas=schemas, names=chosen, argv=argv, proc=None, timeout=a.tool_timeout,
+                dir=tempfile.TemporaryDirectory(prefix="grpo_tools_"))
 
 TOOL_WORKER = r"""if True:  # `python -c`: a fresh interpreter (without torch) in a directory of its own
-    import json, os, runpy, sys
+    import asyncio, inspect, json, os, runpy, sys, types
     replies = os.fdopen(os.dup(1), "w", encoding="utf-8", errors="replace")  # (a lone surrogate sent as '?')
     calls = os.fdopen(os.dup(0), encoding="utf-8")
     for fd in (0, 1, 2):  # what a tool reads, prints or logs: /dev/null
         os.dup2(os.open(os.devnull, os.O_RDWR), fd)
     sys.path.insert(0, os.path.dirname(sys.argv[1]))  # the tools file's directory, as when it is run
-    tools = runpy.run_path(sys.argv[1])
-    for name, arguments in map(json.loads, calls):
+    found = runpy.run_path(sys.argv[1])  # --tools: an environment without state, its functions, no reset
+    make = found.get(sys.argv[2]) or (lambda: types.SimpleNamespace(**found, reset=lambda **record: None))
+    envs = {}  # a completion (its row) -> its instance, made by its reset (for a call: after a crash)
+    print("{}", file=replies, flush=True)  # ready: its import counts against no call's --tool-timeout
+    for row, record, name, arguments in map(json.loads, calls):
         try:
-            reply = {"result": str(tools[name](**arguments))}
+            if name == "reset" or row not in envs:  # (__init__ or reset raised: this call's error)
+                envs.pop(row, None)
+                out = (env := make()).reset(**record)
+                envs[row] = env
+            out = out if name == "reset" else getattr(envs[row], name)(**arguments)
+            out = asyncio.run(out) if inspect.iscoroutine(out) else out  # async def: run to its end
+            reply = {"result": "" if out is None else str(out)}
         except BaseException as e:
             reply = {"result": f"error: {type(e).__name__}: {e}", "error": True}
-        print(json.dumps(reply, ensure_ascii=False), file=replies, flush=True)
+        state = vars(envs[row]) if row in envs and sys.argv[2] else {}  # --env: its public attributes
+        reply["env"] = {k: v for k, v in state.items() if k[0] != "_"}
+        reply.update({"done": True} if state.get("done") else {})  # the episode is over
+        print(json.dumps(reply, ensure_ascii=False, default=repr), file=replies, flush=True)
 """
 
-def run_tool(tools: dict, call: dict) -> dict:
-    """A call, run in the tools' process -> it, its result (what the model reads) and "error" if it failed."""
+def run_tool(tools: dict, call: dict, row: int = 0, episode=None) -> dict:
+    """A call of a row's (completion's) instance, in the tools' process -> it, its result (what the model
+    reads), "error" if it failed, "done" if it ended the episode; episode: its record in, "env" out."""
     import atexit  # (imported here: only a run with --tools needs these)
     import select
     import subprocess
-    if call["name"] not in tools["names"] or type(call["arguments"]) is not dict:
+    if "arguments" in call and (call["name"] not in tools["names"] or type(call["arguments"]) is not dict):
         return {**call, "result": f"error: call one of {tools['names']} with a JSON object", "error": True}
     if tools["proc"] is None or tools["proc"].poll() is not None:  # (again after a crash or a timeout)
-        tools["proc"] = subprocess.Popen(tools["argv"], cwd=tools["dir"].name, encoding="utf-8",
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        atexit.register(tools["proc"].kill)  # a run that stops while a tool hangs leaves no process behind
-    proc = tools["proc"]
-    print(json.dumps([call["name"], call["arguments"]]), file=proc.stdin, flush=True)
-    ready = select.select([proc.stdout], [], [], tools["timeout"])[0]
+        end_worker(tools)  # what its tools started, too
+        tools["proc"] = subprocess.Popen(tools["argv"], cwd=tools["dir"].name, stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, encoding="utf-8", start_new_session=True)
+        atexit.register(end_worker, tools)  # a run that stops while a tool hangs leaves no process behind
+        tools["proc"].stdout.readline()  # ready: the file imported (or nothing, if it could not be)
+    proc, ep = tools["proc"], episode or {"record": {}}
+    try:
+        message = [row, ep["record"], call["name"], call.get("arguments")]  # (a reset has no arguments)
+        print(json.dumps(message), file=proc.stdin, flush=True)
+        ready = select.select([proc.stdout], [], [], tools["timeout"])[0]
+    except BrokenPipeError:  # it ended after its last reply: this call's error, not the run's
+        ready = None
     line = proc.stdout.readline() if ready else ""
     if line.endswith("\n"):
-        return {**call, **json.loads(line)}
-    proc.kill()
-    proc.wait()
-    why = f"ran past --tool-timeout {tools['timeout']:g} s" if not ready else f"exit code {proc.returncode}"
-    return {**call, "result": f"error: its process was ended ({why})", "error": True, "timeout": not ready}
+        ep["env"] = (reply := json.loads(line)).pop("env")
+        return {**call, **reply}
+    late = ready == [] and proc.poll() is None  # (else it ended, though a child it forked may hold the pipe)
+    end_worker(tools)
+    why = f"ran past --tool-timeout {tools['timeout']:g} s" if late else f"exit code {proc.returncode}"
+    return {**call, "result": f"error: its process was ended ({why})", "error": True, "timeout": late}
+
+def end_worker(tools: dict):  # its process group: all a tool started (unless in a session of its own)
+    proc, tools["proc"] = tools["proc"], None
+    with suppress(ProcessLookupError, AttributeError):  # (no process left in it; None: none started)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 # ----------------------------------------------------------------------------- reward and groups
 def parse_rewards(spec: str) -> list[tuple[str, str, float]]:
@@ -751,18 +797,18 @@ def build_rewards(a: Args) -> list[tuple[str, object, float]]:
             fns[i] = (name, functools.wraps(fn)(functools.partial(fn, max_length=a.max_new_tokens)), weight)
     return fns
 
-def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns, a: Args, calls=None):
+def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns, a: Args, episodes=None):
     """Rewards (n,), each function's values, and --dry-run's words for what is added. A function gets the
     completion, the answer and, as keywords, the example's other fields (as TRL's) and reward_keywords."""
     per_fn = {}
     for name, fn, weight in reward_fns:
-        rows = zip(texts, examples, lengths, calls or [[]] * len(texts))
+        rows = zip(texts, examples, lengths, episodes or [{}] * len(texts))
         try:
             if getattr(fn, "batched", False):  # rewards.reward_model: the completions in one call
                 values = fn(texts, examples)
             else:
                 values = [fn(text, ex["answer"], **{k: v for k, v in ex.items() if k != "answer"},
-                             **reward_keywords(a, n, c)) for text, ex, n, c in rows]
+                             **reward_keywords(a, n, e)) for text, ex, n, e in rows]
         except (Exception, SystemExit) as e:  # a user's reward: say which one and why, then stop
             fail(f"reward {name!r} raised {type(e).__name__}: {e}")
         for v in itertools.filterfalse(finite32, values):  # the first value that is no reward stops the run
@@ -778,9 +824,10 @@ def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns
 def pass_at_k(n: int, c: int, k: int) -> float:  # of n samples, c correct: P(one of k drawn is), unbiased
     return 1 - math.comb(n - c, k) / math.comb(n, k)  # (Chen et al. 2021, 2107.03374, eq. 1)
 
-def reward_keywords(a: Args, length: int, calls=()) -> dict:  # tokens, the tools' too (as T counts)
-    return dict(length=length, tool_calls=list(calls)) if a.tools else dict(length=length)  # --tools: each
-    # call's name, arguments, result (and "error", "timeout" if so), as samples.jsonl shows them
+def reward_keywords(a: Args, length: int, episode=None) -> dict:  # tokens, the tools' too (as T counts)
+    e = {"tool_calls": [], "env": {}, **(episode or {})}  # calls: name, arguments, result (+ error, timeout,
+    kw = dict(length=length, tool_calls=list(e["tool_calls"])) if a.tools or a.env else dict(length=length)
+    return {**kw, "env": argparse.Namespace(**e["env"])} if a.env else kw  # done); env: a copy, as it ended
 
 def group_size(a: Args) -> int:  # G: the samples and the teacher's completions of a prompt
     return a.num_generations + a.teacher_per_group
@@ -829,12 +876,13 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, state, sampler=None, 
         t0 = time.time()
         texts = [prompt_text(tok, ex, a, tools) for ex in drawn]
         temps = [ex.get("temperature", a.temperature) for ex in drawn]  # FORKER: a prompt's own, set in draw
+        episodes = [{"record": ex} for ex in drawn for _ in range(G_s)]  # (--tools, --env: generate's)
         prompts, comps, truncated, logps, masks, calls = generate(model, tok, texts, G_s, a, sampler=sampler,
-                                                                  tools=tools, temps=temps)
+                                                                  tools=tools, episodes=episodes, temps=temps)
         t1 = time.time()
         texts = model_text(tok, comps, masks)
         rewards, per_fn, _ = score(texts, [ex for ex in drawn for _ in range(G_s)], [len(c) for c in comps],
-                                   reward_fns, a, calls)
+                                   reward_fns, a, [{**e, "tool_calls": c} for e, c in zip(episodes, calls)])
         for i, ex in enumerate(drawn):
             rows = slice(i * G_s, (i + 1) * G_s)
             picks = random.sample(pool[ex["prompt"]], a.teacher_per_group) if pool else []
@@ -881,11 +929,14 @@ def group_metrics(groups: list[dict], a: Args) -> dict:
         part = [r for r in rows if r["teacher"] == (source == "teacher")]
         out[f"reward/mean_{source}"] = statistics.mean(r["reward"] for r in part)
         out[f"completion/mean_length_{source}"] = statistics.mean(r["length"] for r in part)
-    if a.tools:  # calls a completion; the share of completions that call, of calls that fail, that time out
-        per = [len(r["tool_calls"]) for r in students]
+    if a.tools or a.env:  # calls a completion; the share of completions that call, of calls that fail, time
+        per = [len(r["tool_calls"]) for r in students]  # out; the model's turns an episode, the share done
         calls = [c for r in students for c in r["tool_calls"]] or [{}]  # ({}: no call, no error)
+        turns = [int((m[1:] > m[:-1]).sum()) + 1 for g in groups for m in g["tool_mask"][:a.num_generations]]
         out.update({"tools/calls": statistics.mean(per), "tools/call_frac": statistics.mean(map(bool, per))})
         out.update({f"tools/{k}s": statistics.mean(c.get(k, 0) for c in calls) for k in ("error", "timeout")})
+        out["env/turns"] = statistics.mean(sum(all_gather(turns), []))
+        out["env/done_frac"] = statistics.mean(any(c.get("done") for c in r["tool_calls"]) for r in students)
     return out
 
 def collate(groups: list[dict], pad_id: int, device) -> dict:
@@ -994,9 +1045,10 @@ def step_terms(s: dict, a: Args, state: dict):
     mask-level term, or a token set or weight (a name returned), is a line here, its words the next."""
     R, mask, stats, G = s["reward"], s["mask"], {}, group_size(a)
     words = {"R": "", "m": "1 up to and including the first EOS"}
-    if a.tools:  # collate's mask: 0 on a tool's tokens, so no term, normaliser or |o_i| counts them
+    if a.tools or a.env:  # collate's mask: 0 on a tool's tokens, so no term, normaliser or |o_i| counts them
         words["m"] = (f"1 on the model's tokens to its last EOS, 0 on the results of ≤{a.max_tool_calls} "
-                      f"{a.tools} calls (≤{a.tool_timeout:g} s each) and the template's tokens around them")
+                      f"{a.tools or a.env} calls (≤{a.tool_timeout:g} s each) and the template's tokens "
+                      "around them")
     if a.kl_in_reward:  # as verl's use_kl_in_reward: k1 = log π_old - log π_ref summed over o_i
         kl = torch.where(mask > 0, s["old_logp"] - s["ref_logp"], 0).sum(-1)  # (M,)
         R = R - state.setdefault("kl_in_reward", a.kl_in_reward) * kl  # this step's β (see --kl-target)
@@ -1328,11 +1380,11 @@ def evaluate(model, tok, examples: list[dict], a: Args, rank=0, world=1, sampler
         mine = examples[rank::world]
         per_call = max(1, a.prompts_per_step // world * a.num_generations // n)  # the compiled sampler's rows
         counts = []
-        for i in range(0, len(mine), per_call):
-            chunk = mine[i:i + per_call]
+        for chunk in (mine[i:i + per_call] for i in range(0, len(mine), per_call)):
             texts = [prompt_text(tok, ex, a, tools) for ex in chunk]
-            _, comps, _, _, masks, _ = generate(model, tok, texts, n, a, sampler=sampler, tools=tools, **kw)
-            texts = model_text(tok, comps, masks)
+            rows = [{"record": ex} for ex in chunk for _ in range(n)]  # (--tools, --env: an episode each)
+            out = generate(model, tok, texts, n, a, sampler=sampler, tools=tools, episodes=rows, **kw)
+            texts = model_text(tok, out[1], out[4])
             for j, ex in enumerate(chunk):
                 counts.append(sum(is_correct(t, ex["answer"]) for t in texts[j * n:(j + 1) * n]))
         return sum(all_gather(counts), [])
@@ -1528,11 +1580,11 @@ def start(a: Args):
             fail(f"--resume: the saved run ran on {len(state['rng'])} processes, this one on {world}")
     reward_fns = build_rewards(a)
     train, evals = load_data(a, reward_fns)
-    score([train[0]["answer"], ""], [train[0]] * 2, [1, 1], reward_fns, a)  # a broken reward fails here
+    score([train[0]["answer"], ""], [train[0]] * 2, [1, 1], [] if a.env else reward_fns, a)  # fails here
     torch.manual_seed(a.seed)  # the same LoRA init on every rank
     model, tok, ref_model = load_model(a, device, ckpt if a.resume else None)
     pool = load_teacher_pool(a, train, tok) if a.teacher_pool else None
-    tools = load_tools(a, tok) if a.tools else None
+    tools = load_tools(a, tok, train + evals) if a.tools or a.env else None
     compiled = a.compile_generate == "on" or a.compile_generate == "auto" and device.type == "cuda"
     longest = longest_prompt(model, tok, a, train, evals, compiled, tools)  # one past the context fails
     rows = a.prompts_per_step // world * a.num_generations  # the sampler's shape (--tools: results too)

@@ -1083,7 +1083,7 @@ def test_evaluate_reports_greedy_mean_and_pass_at_k(loaded, monkeypatch):
     a = replace(a, eval_samples=4)
     right = {"p0": 0, "p1": 1, "p2": 3}  # right sampled answers per prompt; greedy is right on p2 only
 
-    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None, temps=None):
+    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None, episodes=None, temps=None):
         prompts = [next(p for p in right if p in t) for t in texts]
         answers = [("7" if greedy and p == "p2" else "0") if greedy else ("7" if i < right[p] else "0")
                    for p in prompts for i in range(n)]
@@ -1822,7 +1822,7 @@ def test_each_flag_s_declared_partner_is_a_flag_and_its_values_are_the_partner_s
     of its choices."""
     fields = grpo.Args.__dataclass_fields__
     declared = {f.name: f.metadata["needs"].split() for f in fields.values() if f.metadata["needs"]}
-    assert {"tis_mode", "kl", "scale", "cov_ratio", "teacher_pool", "split_grads", "tool_timeout"} <= set(declared)
+    assert {"tis_mode", "kl", "scale", "cov_ratio", "teacher_pool", "split_grads", "max_gen_rounds"} <= set(declared)
     for name, (on, *values) in declared.items():
         assert on in fields and set(values) <= set(fields[on].metadata["choices"]), (name, on, values)
 
@@ -2225,7 +2225,7 @@ def test_a_number_answer_is_the_shortest_text_that_reads_back_in_its_own_precisi
     assert grpo.score(boxed, evals, [5] * 6, fns, grpo.parse_args([]))[0].tolist() == [1.0] * 6
     a, model, tok = loaded
 
-    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None, temps=None):  # each prompt's boxed answer
+    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None, episodes=None, temps=None):  # each prompt's boxed answer
         asked = [next(i for i in range(6) if f"q{i}<" in t) for t in texts]  # the prompt ends 'q3<|im_end|>'
         comps = [torch.tensor(tok(boxed[i], add_special_tokens=False).input_ids) for i in asked for _ in range(n)]
         return None, comps, None, None, [torch.ones(len(c)) for c in comps], None
@@ -3013,7 +3013,7 @@ def test_the_overlong_penalty_reaches_the_reward(loaded, monkeypatch):
     a = grpo.parse_args(["--algo", "dapo", "--overlong-buffer", "4"] + TINY)
     lengths, cut = [2, 8, 9, 11, 12, 12, 3, 10], [False] * 5 + [True] + [False] * 2
 
-    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None, temps=None):
+    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None, episodes=None, temps=None):
         prompts = [torch.tensor(tok(t, add_special_tokens=False).input_ids) for t in texts]
         comps = [torch.tensor([7] * (k - 1) + [7 if c else tok.eos_token_id]) for k, c in zip(lengths, cut)]
         return prompts, comps, cut, [torch.zeros(k) for k in lengths], [torch.ones(k) for k in lengths], [[]] * 8
@@ -3530,31 +3530,115 @@ def test_every_failure_of_a_tool_is_a_result_and_nothing_it_does_touches_the_run
 
 
 def test_a_run_that_ends_while_a_tool_hangs_leaves_no_process_behind(tools_dir, tmp_path):
-    """The tools' process is killed as the trainer's ends (a stop, an error): one hanging in a tool is not left
-    running forever."""
+    """The tools' process, and the child a tool forked, are killed as the trainer's ends (a stop, an error): one
+    hanging in a tool is not left running forever."""
     (tmp_path / "t.py").write_text(TOOLS_FILE.replace("time.sleep(10000)", "open('hanging', 'w').close()\n"
-                                                      "    time.sleep(10000)"))
-    script = f"""import os, sys, threading, time
+                                                      "    time.sleep(10000)") + PROCS_FILE)
+    script = f"""import os, pathlib, sys, threading, time
 sys.path.insert(0, {HERE!r})
 import grpo, torch
 a = grpo.parse_args(["--model", {tools_dir!r}, "--tools", "{tmp_path}/t.py", "--tool-timeout", "600"])
 tools = grpo.load_tools(a, grpo.load_model(a, torch.device("cpu"))[1])
+assert grpo.run_tool(tools, {{"name": "fork", "arguments": {{"then": 0}}}})["result"] == "forked"
 threading.Thread(target=grpo.run_tool, args=(tools, {{"name": "hang", "arguments": {{}}}}), daemon=True).start()
 while not os.path.exists(os.path.join(tools["dir"].name, "hanging")):
     time.sleep(0.05)
-print(tools["proc"].pid, flush=True)
+print(pathlib.Path(tools["dir"].name, "pids").read_text(), flush=True)
 """
-    pid = int(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600).stdout)
+    pids = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600).stdout
+    (tmp_path / "pids").write_text(pids)
+    assert len(pids.split()) == 2 and live(tmp_path) == []
 
-    def running():  # (a zombie, reaped by no one here, is not running)
+
+PROCS_FILE = '''import os, subprocess, threading, time
+def _note(*pids):  # every process a tool runs in or starts, in its directory's "pids"
+    with open("pids", "a") as f:
+        f.write("".join(f"{p}\\n" for p in pids))
+def sleeper() -> str:
+    """Starts `sleep 300` and waits for it."""
+    p = subprocess.Popen(["sleep", "300"])
+    _note(os.getpid(), p.pid)
+    return str(p.wait())
+def fork(then: int) -> str:
+    """Forks a child that sleeps, holding the worker's pipes, then returns (0) or ends its process (then).
+
+    Args:
+        then: 0, or an exit code
+    """
+    child = os.fork()
+    if child == 0:
+        time.sleep(300)
+    _note(os.getpid(), child)
+    if then:
+        os._exit(then)
+    return "forked"
+def leave() -> str:
+    """Ends its process just after its reply."""
+    threading.Timer(0.2, os._exit, (5,)).start()
+    return "bye"
+'''
+
+
+def live(folder, wait: float = 10.0) -> list[int]:
+    """The processes a tools file noted (PROCS_FILE) still running after `wait` s at most (a SIGKILL lands in a
+    moment; a zombie, reaped by no one here, is not running)."""
+    def running(pid):
         try:
             return pathlib.Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
         except FileNotFoundError:
             return False
-    deadline = time.time() + 120
-    while running() and time.time() < deadline:
-        time.sleep(0.1)
-    assert not running()
+    pids = [int(pid) for pid in pathlib.Path(folder, "pids").read_text().split()]
+    deadline = time.time() + wait
+    while any(map(running, pids)) and time.time() < deadline:
+        time.sleep(0.05)
+    return [pid for pid in pids if running(pid)]
+
+
+def test_nothing_a_tool_starts_outlives_a_timeout_a_crash_or_a_restart(tools_dir, tmp_path):
+    """The tools' process runs in a process group of its own, and every end of it ends the group: a timeout (the
+    `sleep` a tool started goes too), a crash while a child it forked holds its pipe (still the crash it was, not
+    a timeout), and a restart after it ended by itself (its forked child goes as the new one starts)."""
+    (tmp_path / "t.py").write_text(PROCS_FILE)
+    a = grpo.parse_args(["--model", tools_dir, "--tools", f"{tmp_path}/t.py", "--tool-timeout", "1"])
+    tools = grpo.load_tools(a, grpo.load_model(a, torch.device("cpu"))[1])
+    folder = tools["dir"].name
+
+    def call(name, **arguments):
+        return grpo.run_tool(tools, {"name": name, "arguments": arguments})
+    assert call("sleeper") == {"name": "sleeper", "arguments": {}, "error": True, "timeout": True,
+                               "result": "error: its process was ended (ran past --tool-timeout 1 s)"}
+    assert len(pathlib.Path(folder, "pids").read_text().split()) == 2 and live(folder) == []
+    assert call("fork", then=3) == {"name": "fork", "arguments": {"then": 3}, "error": True, "timeout": False,
+                                    "result": "error: its process was ended (exit code 3)"}
+    assert live(folder) == []
+    assert call("fork", then=0)["result"] == "forked" and call("leave")["result"] == "bye"
+    pid = tools["proc"].pid
+    while tools["proc"].poll() is None:  # it ends; the child it forked runs on, till the next call
+        time.sleep(0.05)
+    assert len(live(folder, wait=0)) == 1
+    assert call("fork", then=0)["result"] == "forked" and tools["proc"].pid != pid
+    grpo.end_worker(tools)  # as the run ends (atexit)
+    assert live(folder) == [] and tools["proc"] is None
+
+
+def test_a_tools_process_that_ends_after_its_reply_is_that_call_s_error_not_the_run_s(tools_dir, tmp_path):
+    """Seen alive, gone by the time the next call is written (a broken pipe): the call's result says its process
+    ended, and the next call starts a new one."""
+    (tmp_path / "t.py").write_text(PROCS_FILE)
+    a = grpo.parse_args(["--model", tools_dir, "--tools", f"{tmp_path}/t.py"])
+    tools = grpo.load_tools(a, grpo.load_model(a, torch.device("cpu"))[1])
+    assert grpo.run_tool(tools, {"name": "leave", "arguments": {}})["result"] == "bye"
+    proc = tools["proc"]
+    stat = pathlib.Path(f"/proc/{proc.pid}/stat")
+    while stat.read_text().split(") ")[1][0] != "Z":  # ended, not yet reaped
+        time.sleep(0.05)
+    proc.poll = lambda: None  # as if it were seen alive an instant before
+    assert grpo.run_tool(tools, {"name": "fork", "arguments": {"then": 0}}) == {
+        "name": "fork", "arguments": {"then": 0}, "result": "error: its process was ended (exit code 5)",
+        "error": True, "timeout": False}
+    assert grpo.run_tool(tools, {"name": "fork", "arguments": {"then": 0}})["result"] == "forked"
+    grpo.end_worker(tools)
+    assert live(tools["dir"].name) == []
 
 
 @pytest.mark.parametrize("body, spec, says", [
@@ -3562,16 +3646,215 @@ print(tools["proc"].pid, flush=True)
     ("import no_such_module\n", "", "ModuleNotFoundError: No module named 'no_such_module'"),
     ("def f(x: int) -> int:\n    return x\n", "", "DocstringParsingException"),  # no docstring: no schema
     ("def f(x):\n    '''F.\n\n    Args:\n        x: x\n    '''\n", "", "TypeHintParsingException"),
-    (TOOLS_FILE, ":add,nope", "KeyError: 'nope'"), ("import sys\nsys.exit(3)\n", "", "SystemExit: 3"),
-    ("X = 1\n", "", "no tool"), (TOOLS_FILE, ":add", "shows none")])
+    (TOOLS_FILE, ":add,nope", "no public function 'nope'"), ("import sys\nsys.exit(3)\n", "", "SystemExit: 3"),
+    ("X = 1\n", "", "no public function ''"), (TOOLS_FILE, ":add", "shows no tool"),
+    (TOOLS_FILE, ":", "no public function ''"), (TOOLS_FILE, ":add,", "no public function ''"),
+    (TOOLS_FILE, ":_helper", "no public function '_helper'"),
+    ("def f(*xs: int) -> int:\n    '''F.\n\n    Args:\n        xs: numbers\n    '''\n", "", r"no \*args"),
+    ("def f(**kw: int) -> int:\n    '''F.\n\n    Args:\n        kw: numbers\n    '''\n", "", r"no \*args")])
 def test_a_tools_file_that_cannot_serve_stops_the_run_at_start_in_one_line(tiny_dir, tools_dir, tmp_path, body,
                                                                            spec, says):
     (tmp_path / "t.py").write_text(body)
-    model = tiny_dir if says == "shows none" else tools_dir  # tiny's default template shows no tools
+    model = tiny_dir if says == "shows no tool" else tools_dir  # tiny's default template shows no tools
     out = tmp_path / "out"
     with pytest.raises(SystemExit, match=f"^grpo: error: --tools '{tmp_path}/t.py{spec}': .*{says}"):
         main(["--model", model, "--output-dir", str(out), "--tools", f"{tmp_path}/t.py{spec}"] + TINY)
     assert not out.exists()  # before anything is written
+
+
+SLOW_IMPORT = '''import time
+time.sleep(2)  # as a file that imports torch or sympy
+async def add(a: int, b: int) -> int:
+    """Adds, awaited.
+
+    Args:
+        a: a number
+        b: another
+    """
+    return a + b
+'''
+
+
+def test_a_tools_file_s_import_is_no_call_s_time_and_an_async_tool_is_awaited(tools_dir, tmp_path):
+    """The tools' process says it is ready once the file is imported: a 2 s import with --tool-timeout 1 times no
+    call out; an `async def` tool's result is its value, not a coroutine's repr."""
+    (tmp_path / "t.py").write_text(SLOW_IMPORT)
+    a = grpo.parse_args(["--model", tools_dir, "--tools", f"{tmp_path}/t.py", "--tool-timeout", "1"])
+    tools = grpo.load_tools(a, grpo.load_model(a, torch.device("cpu"))[1])
+    assert grpo.run_tool(tools, {"name": "add", "arguments": {"a": 2, "b": 3}}) == {
+        "name": "add", "arguments": {"a": 2, "b": 3}, "result": "5"}
+    grpo.end_worker(tools)
+
+
+@pytest.mark.parametrize("value", ["1e300", "inf", "1e7"])
+def test_a_tool_timeout_past_a_million_seconds_is_refused_in_one_line(value):
+    with pytest.raises(SystemExit, match=r"^grpo: error: --tool-timeout must be in \(0, 1e6\], not "):
+        grpo.parse_args(["--tools", "calculator", "--tool-timeout", value])
+
+
+def test_the_prompt_length_check_renders_one_prompt_at_a_time(tools_loaded, monkeypatch):
+    """Every prompt holds the tools' schemas (a 460 KB docstring: every built-in prompt with it at once is killed
+    for memory): longest_prompt tokenizes them one at a time, and finds the longest as before."""
+    a, model, tok, tools = tools_loaded
+    train = [{"prompt": "x " * k, "answer": "1"} for k in range(40)]
+    sizes, real = [], type(tok).__call__
+
+    def counting(self, text, *args, **kw):
+        sizes.append(1 if isinstance(text, str) else len(text))
+        return real(self, text, *args, **kw)
+    monkeypatch.setattr(type(tok), "__call__", counting)
+    longest = grpo.longest_prompt(model, tok, a, train, [], True, tools)
+    assert len(sizes) == 40 and max(sizes) == 1
+    assert longest == len(real(tok, grpo.prompt_text(tok, train[-1], a, tools), add_special_tokens=False).input_ids)
+
+
+ENV_FILE = '''import os
+class Guess:
+    """Find a number: each guess is answered higher, lower or right."""
+    def __init__(self):
+        self.guesses = 0
+        self.done = False
+    def reset(self, seed: int = 7, **record) -> str:
+        if seed < 0:
+            raise ValueError("no game for a negative seed")
+        self.target = seed
+        return " (1..100)"
+    def guess(self, n: int) -> str:
+        """Guesses the number; -1 ends the process.
+
+        Args:
+            n: a number in 1..100
+        """
+        if n == -1:
+            os._exit(9)
+        self.guesses += 1
+        self.done = n == self.target
+        return "right" if self.done else "higher" if n < self.target else "lower"
+    async def peek(self) -> int:
+        """The number, awaited."""
+        return self.target
+    def _helper(self):
+        pass
+class Broken:
+    def __init__(self):
+        raise RuntimeError("cannot start")
+    def reset(self, **record):
+        pass
+    def ping(self) -> str:
+        """Answers."""
+        return "pong"
+'''
+GUESS = '<tool_call>\n{{"name": "guess", "arguments": {{"n": {}}}}}\n</tool_call>'
+
+
+@pytest.fixture()
+def env_loaded(tools_dir, tmp_path):
+    (tmp_path / "g.py").write_text(ENV_FILE)
+    a = grpo.parse_args(["--model", tools_dir, "--env", f"{tmp_path}/g.py:Guess", "--max-new-tokens", "400"])
+    model, tok = grpo.load_model(a, torch.device("cpu"))[:2]
+    tools = grpo.load_tools(a, tok, [{"prompt": "p", "answer": "1", "seed": 30}])
+    yield a, model, tok, tools
+    grpo.end_worker(tools)
+
+
+def test_an_environment_is_an_instance_a_completion_reset_with_its_record(env_loaded, monkeypatch):
+    """--env PATH.py:Class (TRL's environment_factory): each completion's own instance, reset(**record) first (its
+    text ends the prompt's user turn), its public typed documented methods the tools (async ones awaited); the
+    episode ends when a method sets done, or with a turn that makes no call; a crash ends the process and its
+    instance is rebuilt from its record for the next call (its state gone); each row's episode gets its
+    instance's public attributes (a reward's env)."""
+    a, model, tok, tools = env_loaded
+    assert tools["names"] == ["guess", "peek"] and [s["function"]["name"] for s in tools["schemas"]] == tools["names"]
+    script = [[GUESS.format(50), GUESS.format(30), "no call", GUESS.format(50)],
+              [GUESS.format(30), GUESS.format(-1)], [GUESS.format(60)]]
+    held = []
+    monkeypatch.setattr(grpo, "sample", scripted(tok, script, held))
+    records = [{"prompt": "Guess.", "answer": "30", "seed": 30}, {"prompt": "Again.", "answer": "60", "seed": 60}]
+    episodes = [{"record": r} for r in records for _ in range(2)]
+    prompts, comps, truncated, logps, masks, calls = grpo.generate(model, tok, ["unused"] * 2, 2, a, tools=tools,
+                                                                   episodes=episodes)
+    assert prompts[0].tolist() == tok(grpo.chat_prompt(tok, "Guess. (1..100)", a.system_prompt, tools),
+                                      add_special_tokens=False).input_ids
+    assert [[c["result"] for c in row] for row in calls] == [
+        ["lower", "right"], ["right"], [], ["higher", "error: its process was ended (exit code 9)", "right"]]
+    assert [c.get("done", False) for row in calls for c in row] == [False, True, True, False, False, True]
+    assert [len(h) for h in held] == [4, 2, 1]  # done rows draw no more; the crash's row draws on
+    assert [e["env"] for e in episodes] == [{"guesses": 2, "done": True, "target": 30},
+                                            {"guesses": 1, "done": True, "target": 30},
+                                            {"guesses": 0, "done": False, "target": 60},
+                                            {"guesses": 1, "done": True, "target": 60}]  # (rebuilt: 1 guess)
+    assert truncated == [False] * 4 and all(m[-1] == 1 for m in masks)  # each ends with the model's turn
+    assert grpo.run_tool(tools, {"name": "peek", "arguments": {}}, 2, episodes[2])["result"] == "60"
+    seen = []
+
+    def reward(completion, answer, env, tool_calls, **kw):
+        seen.append((env.guesses, env.done, len(tool_calls)))
+        env.guesses = 99  # a copy: nothing to undo
+        return float(env.done)
+    total = grpo.score(["a"] * 4, [r for r in records for _ in range(2)], [1] * 4, [("won", reward, 1.0)], a,
+                       [{**e, "tool_calls": c} for e, c in zip(episodes, calls)])[0]
+    assert total.tolist() == [1, 1, 0, 1] and seen == [(2, True, 2), (1, True, 1), (0, False, 0), (1, True, 3)]
+    assert episodes[0]["env"]["guesses"] == 2
+
+
+def test_an_environment_that_fails_for_one_record_is_that_episode_s_error(tools_dir, tmp_path, monkeypatch):
+    """reset raising for one record, or __init__ raising: the error is what that episode's model reads (after its
+    prompt), its calls fail alike, and the run goes on; the other records' episodes play."""
+    (tmp_path / "g.py").write_text(ENV_FILE)
+    for cls, results in (("Guess", [["higher"], ["error: ValueError: no game for a negative seed"]]),
+                         ("Broken", [["error: RuntimeError: cannot start"]] * 2)):
+        a = grpo.parse_args(["--model", tools_dir, "--env", f"{tmp_path}/g.py:{cls}", "--max-new-tokens", "300"])
+        model, tok = grpo.load_model(a, torch.device("cpu"))[:2]
+        tools = grpo.load_tools(a, tok)
+        call = GUESS.format(50) if cls == "Guess" else '<tool_call>{"name": "ping", "arguments": {}}</tool_call>'
+        monkeypatch.setattr(grpo, "sample", scripted(tok, [[call, call], ["done", "done"]]))
+        episodes = [{"record": {"prompt": "Go.", "answer": "1", "seed": s}} for s in (60, -1)]
+        prompts, _, _, _, _, calls = grpo.generate(model, tok, ["", ""], 1, a, tools=tools, episodes=episodes)
+        assert [[c["result"] for c in row] for row in calls] == results
+        said = tok.decode(prompts[1])
+        assert results[1][0] in said  # (in its prompt: reset's text is the error)
+        grpo.end_worker(tools)
+
+
+@pytest.mark.parametrize("body, spec, records, says", [
+    (ENV_FILE, ":Nope", [], "KeyError: 'Nope'"),
+    ("class G:\n    def play(self) -> str:\n        '''Plays.'''\n", ":G", [], "no class with a method reset"),
+    ("class G:\n    def reset(self, **r):\n        pass\n    def play(self) -> str:\n        return ''\n", ":G", [],
+     "DocstringParsingException"),
+    ("class G:\n    def reset(self, **r):\n        pass\n", ":G", [], "no public function ''"),
+    (ENV_FILE, ":Guess", [{"prompt": "p", "answer": "1", "when": {1, 2}}], "TypeError: Object of type set is not JSON"),
+])
+def test_an_environment_that_cannot_serve_stops_the_run_at_start_in_one_line(tools_dir, tmp_path, body, spec,
+                                                                             records, says):
+    (tmp_path / "g.py").write_text(body)
+    a = grpo.parse_args(["--model", tools_dir, "--env", f"{tmp_path}/g.py{spec}"])
+    tok = grpo.load_model(a, torch.device("cpu"))[1]
+    with pytest.raises(SystemExit, match=f"^grpo: error: --env '{tmp_path}/g.py{spec}': .*{says}"):
+        grpo.load_tools(a, tok, records)
+
+
+def test_the_guessing_game_s_warm_start_plays_as_grpo_s_loop_renders_it(tools_dir, monkeypatch):
+    """bench/learn_env.py (python bench/learn_env.py --smoke runs every part in a minute): binary search on the
+    replies wins every game within 7 guesses; a transcript is the model's call turns and the environment's replies
+    between them as grpo.generate renders them (mask 0 on the replies), ending at the win, with the number its
+    record's seed draws (bench/guess_env.py)."""
+    sys.path.insert(0, os.path.join(HERE, "bench"))
+    import learn_env
+    assert all(play[-1][1] == "right" and len(play) <= 7 for play in (
+        learn_env.play(n, True, None) for n in range(1, 101)))
+    ex = learn_env.games(1, 0)[0]
+    a = grpo.parse_args(["--model", tools_dir, "--env", f"{learn_env.GAME}:Guess", "--system-prompt", ""])
+    model, tok = grpo.load_model(a, torch.device("cpu"))[:2]
+    tools = grpo.load_tools(a, tok, [ex])
+    prompt, ids, mask = learn_env.transcript(tok, tools, ex, True, "", None)
+    turns = [GUESS.format(n) for n, _ in learn_env.play(int(ex["answer"]), True, None)]
+    monkeypatch.setattr(grpo, "sample", scripted(tok, [[t] for t in turns]))
+    episodes = [{"record": ex}]
+    _, comps, _, _, masks, calls = grpo.generate(model, tok, [""], 1, replace(a, max_new_tokens=400), tools=tools,
+                                                 episodes=episodes)
+    grpo.end_worker(tools)
+    assert comps[0].tolist() == ids and masks[0].tolist() == mask and calls[0][-1]["result"] == "right"
+    assert prompt == grpo.chat_prompt(tok, ex["prompt"], "", tools) and episodes[0]["env"]["won"]
 
 
 def test_the_tiny_model_s_tools_template_renders_as_qwen2_5_s(tools_loaded):
@@ -3689,6 +3972,46 @@ def test_resume_with_tools_continues_bit_for_bit(tools_dir, tmp_path, monkeypatc
     assert [r["tool_calls"] for r in rows[:2]] == [[{"name": "calculator", "arguments": {"expression": "17*23"},
                                                      "result": "391"}], []]
     assert rows[0]["completion"].startswith(CALL.format("17*23")) and "391" not in rows[0]["completion"]  # (its own)
+
+
+CALC_ENV = '''class Calc:
+    def reset(self, prompt: str, **record) -> str:
+        self.calls = 0
+        return " Use the calculator."
+    def calculator(self, expression: str) -> str:
+        """Evaluates an expression, once: the episode ends with it.
+
+        Args:
+            expression: arithmetic
+        """
+        self.calls += 1
+        self.done = True
+        return str(eval(expression))
+'''
+
+
+def test_an_environment_run_resumes_bit_for_bit_and_logs_its_episodes(tools_dir, tmp_path, monkeypatch):
+    """--env in a run, every other row's first turn a call (forced) that ends its episode (done), a reward that
+    reads env, evaluation with it: 4 steps == 2 steps, --resume to 4 (metrics, env/ among them, and the adapter,
+    bit for bit: instances are rebuilt from their records); env/done_frac is the share of rows that called."""
+    (tmp_path / "calc.py").write_text(CALC_ENV)
+    tok = grpo.load_model(grpo.parse_args(["--model", tools_dir]), torch.device("cpu"))[1]
+    monkeypatch.setattr(grpo, "sample", forced_calls(tok))
+    common = ["--model", tools_dir, "--env", f"{tmp_path}/calc.py:Calc", "--log-samples", "1"] + TINY + [
+        "--max-new-tokens", "150"] + reward_file(tmp_path, "def used(c, a, env, **kw):\n    return env.calls + len(c) / 50\n")
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    main(common + ["--output-dir", straight, "--max-steps", "4"])
+    main(common + ["--output-dir", split, "--max-steps", "2"])
+    main(["--output-dir", split, "--resume", "--max-steps", "4"])
+    assert steady(metrics(split)) == steady(metrics(straight)) and len(metrics(split)) == 4
+    assert [(r["env/done_frac"], r["env/turns"], r["tools/calls"]) for r in metrics(split)] == [(0.5, 1, 0.5)] * 4
+    assert "eval/accuracy" in metrics(split)[1]
+    a, b = trained(straight), trained(split)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rows = [json.loads(r) for r in open(os.path.join(split, "samples.jsonl"))]
+    assert rows[0]["tool_calls"] == [{"name": "calculator", "arguments": {"expression": "17*23"}, "result": "391",
+                                      "done": True}] and rows[1]["tool_calls"] == []
+    assert rows[0]["rewards"]["used"] == pytest.approx(1 + len(rows[0]["completion"]) / 50)  # (float32)
 
 
 def test_dry_run_says_the_tool_mask(capsys):
@@ -5059,7 +5382,7 @@ for case, schedule in SCHEDULES.items():
     groups = sum(grpo.all_gather([[g["prompt"], g["rewards"].tolist(), g["adv"].tolist()] for g in kept]), [])
     result[case] = [sorted(groups), {k: v for k, v in stats.items() if k.startswith(("groups/kept", "groups/gen",
                                                                                       "adv/"))}]
-def generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None, temps=None):  # completions set by a prompt's k
+def generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None, episodes=None, temps=None):  # completions set by a prompt's k
     rows = [(int(t.split("Question ")[1].split("?")[0]), j) for t in texts for j in range(n)]
     comps = [tok(f"\\boxed{{{k % 3 if greedy else (k + j) % 2}}}" + " so" * (k % 4 + j), add_special_tokens=False)
              .input_ids + [tok.eos_token_id] * ((k + j) % 3 > 0) for k, j in rows]  # (k + j) % 3 == 0: truncated
