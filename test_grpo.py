@@ -4016,8 +4016,8 @@ def test_an_environment_run_resumes_bit_for_bit_and_logs_its_episodes(tools_dir,
 
 def test_dry_run_says_the_tool_mask(capsys):
     grpo.main(["--dry-run", "--tools", "calculator", "--max-tool-calls", "3", "--tool-timeout", "5"])
-    assert ("Σ_t over m_i,t = 1 on the model's tokens to its last EOS, 0 on the results of ≤3 calculator calls "
-            "(≤5 s each) and the template's tokens around them\n") in capsys.readouterr().out
+    assert ("Σ_t over m_i,t = 1 on the model's tokens to its last EOS, 0 on the results of ≤3 calls (≤5 s each) "
+            "and the template's tokens around them\n") in capsys.readouterr().out
 
 # ----------------------------------------------------------------------------- the compiled sampler
 def trainer_logps(model, tok, a, prompts, comps, n):
