@@ -1046,8 +1046,8 @@ def step_terms(s: dict, a: Args, state: dict):
     R, mask, stats, G = s["reward"], s["mask"], {}, group_size(a)
     words = {"R": "", "m": "1 up to and including the first EOS"}
     if a.tools or a.env:  # collate's mask: 0 on a tool's tokens, so no term, normaliser or |o_i| counts them
-        words["m"] = (f"1 on the model's tokens to its last EOS, 0 on the results of ≤{a.max_tool_calls} calls "
-                      f"(≤{a.tool_timeout:g} s each) and the template's tokens around them")
+        words["m"] = (f"1 on the model's tokens to its last EOS, 0 on the results of ≤{a.max_tool_calls} "
+                      f"calls (≤{a.tool_timeout:g} s each) and the template's tokens around them")
     if a.kl_in_reward:  # as verl's use_kl_in_reward: k1 = log π_old - log π_ref summed over o_i
         kl = torch.where(mask > 0, s["old_logp"] - s["ref_logp"], 0).sum(-1)  # (M,)
         R = R - state.setdefault("kl_in_reward", a.kl_in_reward) * kl  # this step's β (see --kl-target)
