@@ -502,10 +502,9 @@ def completion_mask(ids: torch.Tensor, eos_ids) -> torch.Tensor:
 
 def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False, sampler=None, tools=None,
              episodes=None, temps=None):
-    """n completions a prompt, to EOS or T tokens; --tools, --env: a turn that ends in calls gets its results
-    (tool_turn) and draws on, T tokens in all, till the environment is done. -> prompt ids, completions,
-    truncated (not ended by the model's EOS), the sampler's log-probs (NaN: a tool's), tool masks (0: a
-    tool's token), the calls; episodes (a row's {"record": ...}) get "env" (run_tool). temps: a prompt's."""
+    """n completions a prompt, to EOS or T tokens in all; --tools, --env: a turn that ends in calls gets their
+    results and draws on, till the episode ends. -> prompt ids, completions, truncated (not ended by the
+    model's EOS), the sampler's log-probs, tool masks, the calls; episodes (a row's "record") get "env"."""
     eos = model.generation_config.eos_token_id
     if tools and episodes:  # each row's instance, reset with its record: a text it returns ends the user turn
         starts = [run_tool(tools, {"name": "reset"}, i, ep)["result"] for i, ep in enumerate(episodes)][::n]
@@ -798,15 +797,14 @@ def build_rewards(a: Args) -> list[tuple[str, object, float]]:
     return fns
 
 def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns, a: Args, episodes=None):
-    """Rewards (n,), each function's values, and --dry-run's words for what is added. A function gets the
-    completion, the answer and, as keywords, the example's other fields (as TRL's) and reward_keywords."""
+    """Rewards (n,), each function's values, and --dry-run's words for what is added."""
     per_fn = {}
     for name, fn, weight in reward_fns:
         rows = zip(texts, examples, lengths, episodes or [{}] * len(texts))
         try:
             if getattr(fn, "batched", False):  # rewards.reward_model: the completions in one call
                 values = fn(texts, examples)
-            else:
+            else:  # a completion, its answer, and as keywords its record's other fields (as TRL's)
                 values = [fn(text, ex["answer"], **{k: v for k, v in ex.items() if k != "answer"},
                              **reward_keywords(a, n, e)) for text, ex, n, e in rows]
         except (Exception, SystemExit) as e:  # a user's reward: say which one and why, then stop
@@ -1390,8 +1388,7 @@ def evaluate(model, tok, examples: list[dict], a: Args, rank=0, world=1, sampler
     k = a.eval_samples
     with torch.random.fork_rng([model.device] if model.device.type == "cuda" else []):  # the run's untouched
         torch.manual_seed(a.seed + 1000 * rank + 999)
-        greedy = n_correct(1, greedy=True)
-        out = {"eval/accuracy": sum(greedy) / len(greedy)}
+        out = {"eval/accuracy": statistics.fmean(n_correct(1, greedy=True))}
         if k:
             sampled = n_correct(k)
             out[f"eval/mean@{k}"] = sum(sampled) / (k * len(sampled))
