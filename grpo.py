@@ -494,8 +494,7 @@ def prompt_text(tok, ex: dict, a: Args, tools=None, reply=None) -> str:  # sampl
 def completion_mask(ids: torch.Tensor, eos_ids) -> torch.Tensor:
     """ids (N, C) -> mask (N, C): 1 up to and including the first EOS (an action to learn), 0 after."""
     is_eos = torch.isin(ids, torch.as_tensor(eos_ids, device=ids.device))  # by position: pad may be an EOS
-    first = torch.where(is_eos.any(1), is_eos.int().argmax(1), ids.shape[1])  # (N,)
-    return torch.arange(ids.shape[1], device=ids.device)[None] <= first[:, None]
+    return is_eos.cumsum(1) - is_eos.int() == 0  # no EOS before it
 
 def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False, sampler=None, tools=None,
              temps=None):
