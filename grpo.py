@@ -551,13 +551,12 @@ def sample(model, tok, held: list[torch.Tensor], new_tokens: int, a: Args, greed
     eos = torch.tensor(model.generation_config.eos_token_id, device=dev)
     out = torch.zeros(N, new_tokens, dtype=torch.long, device=dev)  # (N, C): the tokens drawn
     logp = torch.zeros(N, new_tokens, device=dev)  # (N, C): their log-probs
-    sampler["cache"].reset()  # zeros, in place: the compiled step reads the same tensors every call
+    sampler["cache"].reset()  # zeros in place: a compiled step reads and writes one set of tensors
     model.eval()
     with torch.no_grad(), autocast(a, dev):
         x, pos, step = enc.input_ids, torch.arange(P, device=dev), decode_step  # the prefill: never compiled
         for t in range(new_tokens):
-            token, logp[:, t] = step(model, sampler["cache"], x, pos, pads, temp, a.top_k, a.top_p)
-            out[:, t] = token  # copied: a compiled step's outputs are overwritten by its next call
+            out[:, t], logp[:, t] = step(model, sampler["cache"], x, pos, pads, temp, a.top_k, a.top_p)
             if t % 16 == 15 and torch.isin(out[:n, :t + 1], eos).any(1).all():  # every row has ended
                 break
             x, pos, step = out[:, t:t + 1].contiguous(), pos[-1:] + 1, sampler["step"]  # (strides: guarded)
