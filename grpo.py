@@ -538,8 +538,7 @@ def model_text(tok, comps: list[torch.Tensor], tool_masks: list[torch.Tensor]) -
 def sample(model, tok, held: list[torch.Tensor], new_tokens: int, a: Args, greedy=False, sampler=None,
            temps=None):
     """A turn of each row: the tokens drawn after what it holds (prompt, draws, results), their log-probs at
-    the row's temperature (temps (n,), a's if None; greedy: 1). A prefill, then a decode_step a token on the
-    static KV cache; EOS is checked every 16 tokens (the loop's one host sync)."""
+    the row's temperature (temps (n,)): a prefill, then a decode_step a token on the static KV cache."""
     if not sampler or len(held) > sampler["rows"] or max(map(len, held)) > sampler["prompt_len"]:
         sampler = make_sampler(model, a, max(map(len, held)), len(held))  # uncompiled, this call's shape
     N, P, n, dev = sampler["rows"], sampler["prompt_len"], len(held), model.device
@@ -557,7 +556,7 @@ def sample(model, tok, held: list[torch.Tensor], new_tokens: int, a: Args, greed
         x, pos, step = enc.input_ids, torch.arange(P, device=dev), decode_step  # the prefill: never compiled
         for t in range(new_tokens):
             out[:, t], logp[:, t] = step(model, sampler["cache"], x, pos, pads, temp, a.top_k, a.top_p)
-            if t % 16 == 15 and torch.isin(out[:n, :t + 1], eos).any(1).all():  # every row has ended
+            if t % 16 == 15 and torch.isin(out[:n, :t + 1], eos).any(1).all():  # the loop's one sync
                 break
             x, pos, step = out[:, t:t + 1].contiguous(), pos[-1:] + 1, sampler["step"]  # (strides: guarded)
     model.train()
@@ -567,8 +566,7 @@ def sample(model, tok, held: list[torch.Tensor], new_tokens: int, a: Args, greed
 
 def decode_step(model, cache, ids, pos, pads, temp, top_k: int, top_p: float):
     """The rows' newest tokens ids (N, q) at cache positions pos (q,) into the cache -> the next token (N,),
-    its log-prob at the row's temperature temp (N, 1) before top-k/p cut it (the trainer's). It holds one
-    position's logits, (N, V). temp 0: greedy (its log-prob at temperature 1)."""
+    its log-prob at the row's temperature temp (N, 1; 0: greedy, at 1) before top-k/p (the trainer's)."""
     from transformers import TopKLogitsWarper, TopPLogitsWarper
     keys = torch.arange(cache.get_max_length(), device=ids.device)  # (L,): the cache's positions
     first = torch.minimum(pads[..., None], pos[:, None])  # (N, q, 1): the row's first token (a pad: itself)
@@ -605,9 +603,8 @@ def longest_prompt(model, tok, a: Args, train, evals, every: bool, tools=None) -
     return longest
 
 def make_sampler(model, a: Args, prompt_len: int, rows: int, compiled: bool = False) -> dict | None:
-    """The decode loop's shape, rows x (prompt_len + T) (a smaller call is padded to it), and all it holds: a
-    static KV cache (transformers'), kept for the run. compiled: decode_step compiled once for every position
-    and call, reading the weights in place; None (each call's own, uncompiled) for two runs (README)."""
+    """The decode loop's shape, rows x (prompt_len + T) (a smaller call padded to it), its static KV cache for
+    the run. compiled: decode_step compiled once for all positions and calls, reading the weights in place."""
     from transformers import StaticCache
     if compiled and (a.load_in_4bit or a.lora_r == 0 and use_bf16(a, model.device)):  # see "Design notes"
         print("grpo: note: QLoRA, and full fine-tuning in bf16, sample uncompiled", file=sys.stderr)
