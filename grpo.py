@@ -699,8 +699,7 @@ def run_tool(tools: dict, call: dict) -> dict:
 
 # ----------------------------------------------------------------------------- reward and groups
 def parse_rewards(spec: str) -> list[tuple[str, str, float]]:
-    """--rewards, the one parse of it: "correct:1, format : 0.2" -> (name, weight as written, its value: 1 if
-    none is written, NaN if it is not a number)."""
+    """--rewards, the one parse of it: "correct:1, format : 0.2" -> (name, weight as written, its value)."""
     out = []
     for part in filter(None, spec.split(",")):
         name, _, weight = [s.strip() for s in part.partition(":")]
@@ -911,8 +910,7 @@ def collate(groups: list[dict], pad_id: int, device) -> dict:
 
 # ----------------------------------------------------------------------------- log-probs: the step's inputs
 def token_logps(model, input_ids, attention_mask, n_completion: int, temperature=1.0):
-    """Log-probs and entropy (N, C) of the last C tokens from one forward, both with gradient, at the
-    temperature (a number, or a row's, (N, 1))."""
+    """Log-probs, entropy (N, C) of the last C tokens, with gradient, at a temperature or a row's (N, 1)."""
     pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
                                  use_cache=False).last_hidden_state[:, -n_completion - 1:-1]  # (N, C, H)
@@ -954,8 +952,7 @@ def step_inputs(model, ref_model, batch: dict, names: set, a: Args):
                     batch["ref_logp"][idx] = policy_logps(ref_model or model, batch, idx, a)[0]
 
 def gather_step(batch: dict, pad: float = 0.0) -> tuple[dict, torch.Tensor]:
-    """Every rank's rows (not the token ids) on the CPU, in sampling order as one process has them, (n, C)
-    padded with `pad` to the longest; and where this rank's are among them."""
+    """Every rank's rows in sampling order, as one process has them; where this rank's are among them."""
     mine = {k: v.cpu() for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
     every = all_gather(mine)
     def widen(k, x):  # (n, C_rank) -> (n, C), C the longest
@@ -981,12 +978,10 @@ def soft_weights(stds: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return stds / (stds.max() + eps)  # w_g = std_g / (max_g' std_g' + eps), the max over the step's groups
 
 def step_terms(s: dict, a: Args, state: dict):
-    """Every rank's rows of the step as one process has them (a statistic, as quantile, sees them all), G a
-    group. s: collate's tensors (reward (M,), mask (M, C), ...) and the step inputs a term reads; state: the
-    run's (at_step), a term's memory across steps. -> what token_objective reads by name, (M, 1) or (M, C):
-    adv (A_i, or per token), row_adv (A_i), loss_mask, keep (the policy loss's and entropy bonus's tokens),
-    flat (A = 0: a row of an equal-reward group); metrics; --dry-run's words. FORKER: a reward-, advantage- or
-    mask-level term, or a token set or weight (a name returned), is a line here, its words the next."""
+    """The reward-, advantage- and mask-level terms on every rank's rows as one process has them (a quantile
+    sees them all). s: collate's tensors (reward (M,), mask (M, C), ...), the step inputs a term reads;
+    state: the run's, a term's memory. -> token_objective's tensors by name, metrics, --dry-run's words.
+    FORKER: a term, or a token set or weight (a name returned), is a line here, its words the next."""
     R, mask, stats, G = s["reward"], s["mask"], {}, group_size(a)
     words = {"R": "", "m": "1 up to and including the first EOS"}
     if a.tools:  # collate's mask: 0 on a tool's tokens, so no term, normaliser or |o_i| counts them
@@ -1030,7 +1025,7 @@ def step_terms(s: dict, a: Args, state: dict):
         mask = mask * ~s["truncated"][:, None]
         words["m"] += ", 0 on a truncated completion"
     adv = row_adv = adv.reshape(-1, 1)  # (M, 1): A_i; then token-level terms
-    keep = mask > 0
+    keep = mask > 0  # the tokens the policy loss and the entropy bonus act on
     if a.top_entropy_quantile < 1 and mask.any():  # 80/20 (2506.01939): the policy loss (and the entropy
         H = s["old_entropy"]  # bonus, as TRL's) on the top-ρ of the step's trained tokens by π_old's H
         ranked = H[keep].sort().values  # torch.quantile's linear rule; it refuses over 2^24 tokens
@@ -1088,8 +1083,7 @@ def policy_loss(logp, old_logp, adv, mask, a: Args):
     return loss, diag, words
 
 def cov_loss(ratio, clipped, log_ratio, logp, adv, mask, a: Args):
-    """Clip-Cov and KL-Cov (2505.22617 §4.3), as verl's, on a micro-batch's tokens -> the loss, the n =
-    max(1, cov_ratio x tokens) selected by cov(A, log pi) (N, C), its words (what each does with them)."""
+    """Clip-Cov and KL-Cov (2505.22617 §4.3), as verl's, on a micro-batch -> loss, tokens chosen, words."""
     m = mask != 0
     cov = (adv - adv.expand_as(logp)[m].mean()) * (logp - logp[m].mean()).detach()  # (N, C)
     n = max(1, int(a.cov_ratio * m.sum()))
@@ -1139,10 +1133,9 @@ def aggregate_loss(loss, mask, mode: str, max_len: int, n_seqs=None, n_tokens=No
     return per_seq.sum() / (max(n_seqs, 1) * max_len), f"Σ_i Σ_t ℓ_i,t / (n_seq·{max_len})"  # Dr. GRPO
 
 def token_objective(logp, entropy, b: dict, a: Args):
-    """A micro-batch's per-token loss ℓ (N, C) before aggregation, its terms in --dry-run's order, each
-    beside its words; diagnostics (N, C) by name. logp, entropy (N, C): the policy's, with gradient; b: the
-    micro-batch's rows (step_terms' adv, loss_mask, keep; sampler_logp; the step inputs a term reads). FORKER:
-    a new term or token weight is a line here, its words the next; a metric, a line in `diag`."""
+    """A micro-batch's per-token loss ℓ (N, C), its terms in --dry-run's order, each beside its words, and
+    diagnostics (N, C) by name; logp, entropy: the policy's, with gradient; b: its rows' tensors by name.
+    FORKER: a new term or token weight is a line here, its words the next; a metric, a line in `diag`."""
     mask = b["loss_mask"]
     old_logp = logp.detach()  # one update a step: ratio 1, no extra forward
     words = {"π_old": "sg(π_θ): one update a step, so r = 1"}
@@ -1184,10 +1177,8 @@ def token_objective(logp, entropy, b: dict, a: Args):
 
 # ----------------------------------------------------------------------------- the step
 def probe(a: Args):
-    """The step's terms on made-up numbers, no model: the inputs they read, not step_terms' outputs (a step
-    computes these, only these); each term's --dry-run words; what becomes of an equal-reward group:
-    whether the rows step_terms flags A = 0 are skipped (--skip-zero-variance, and ∇ℓ = 0 there: skipping
-    is a no-op), or as the run's state decides, if a second step on the state the first left flags others."""
+    """The step's terms on made-up numbers, no model -> the inputs they read, not step_terms' outputs (a step
+    computes these, only these); whether an equal-reward group may be skipped; each term's --dry-run words."""
     G = group_size(a)
     gen = torch.Generator().manual_seed(0)
     def made_up():  # (G, 3) log-probs: any step input a term reads
@@ -1215,9 +1206,8 @@ def probe(a: Args):
     return set(step) - set(rows) - set(made), skip, {**words, **more}
 
 def prepare(model, ref_model, groups: list[dict], a: Args, state: dict | None):
-    """Before the step's first update: this rank's rows collated, with its terms' inputs; step_terms on every
-    rank's rows; this rank's share of its tensors (adv, loss_mask, ...; A_i also in groups, for samples.jsonl)
-    and rows to train (an equal-reward group only if skipping it changes nothing); the step's normalisers."""
+    """Before the step's first update: this rank's rows with their step inputs and share of step_terms'
+    tensors (A_i in groups too, for samples.jsonl); the rows to train (see probe); the normalisers."""
     device = next(model.parameters()).device
     batch = collate(groups, model.generation_config.pad_token_id, device)
     reads, skip_flat, _ = probe(a)
@@ -1233,8 +1223,7 @@ def prepare(model, ref_model, groups: list[dict], a: Args, state: dict | None):
     return batch, trained.nonzero()[:, 0].tolist(), n_seqs, n_tokens, stats
 
 def train_step(model, ref_model, opt, groups: list[dict], a: Args, state: dict | None = None) -> dict:
-    """num_iterations optimizer steps on a step's groups, in micro-batches (--split-grads: student and teacher
-    rows apart). Metrics: the step stage's, all ranks' trained rows in the last update. state: at_step's."""
+    """num_iterations updates on a step's groups, by micro-batch -> the last update's metrics, all ranks'."""
     params = [p for p in model.parameters() if p.requires_grad]
     batch, rows, n_seqs, n_tokens, stats = prepare(model, ref_model, groups, a, state)
     chunks = [rows[i:i + a.micro_batch_size] for i in range(0, len(rows), a.micro_batch_size)]
@@ -1290,8 +1279,7 @@ def peak_memory(device, phase: str) -> dict:  # CUDA: memory/PHASE_gib, torch's 
     return {f"memory/{phase}_gib": peak}
 
 def step_stats(d: dict) -> dict:
-    """The step's statistics but the means (train_step's), over every rank's trained tokens as one process has
-    them: d[name] (M, C), a diagnostic of token_objective, NaN where it is not defined."""
+    """Statistics but the means (train_step's): d[name] (M, C), a diagnostic of every rank's tokens."""
     out = {}  # FORKER: another statistic of one (a quantile, a covariance, a max) is a line here
     gap = d["sampler/logp_gap"]
     if gap.isfinite().any():  # the sampler's health check at its worst token
