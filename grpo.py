@@ -1395,8 +1395,7 @@ def fingerprint(path: str, spread: bool = False, span: int = 1 << 26):
         return zlib.crc32(b"%d %b %b" % (size, head, f.read()))
 
 def save(model, tok, a: Args, state: dict):
-    """checkpoint/: weights, tokenizer, grpo_args.json (flags, step, ...), trainer_state.pt, written to
-    checkpoint.tmp/ and swapped in by two renames: at every instant checkpoint/ or .old/ is whole."""
+    """Writes checkpoint.tmp/, swapped in by two renames: at every instant checkpoint/ or .old/ is whole."""
     if not all(p.isfinite().all() for p in model.parameters() if p.requires_grad):
         fail(f"the weights are not finite at step {state['step']}: nothing saved over the last checkpoint")
     final = os.path.join(a.output_dir, "checkpoint")
