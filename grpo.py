@@ -918,16 +918,15 @@ def token_logps(model, input_ids, attention_mask, n_completion: int, temperature
     hidden = hidden.reshape(-1, hidden.shape[-1])  # (N*C, H)
     targets = input_ids[:, -n_completion:].reshape(-1)  # (N*C,)
     temps = torch.as_tensor(temperature, device=hidden.device).expand(len(input_ids), n_completion)  # (N, C)
-    def chunk(h, tgt, temp):  # (n, H), (n,), (n,) -> logp, entropy (n,): hidden state t predicts token t+1
+    def chunk(h, tgt, temp):  # (n, H), (n,), (n,) -> (2, n): logp, entropy; hidden state t predicts token t+1
         logits = head(h).float() / temp[:, None]  # (n, V)
         lse = logits.logsumexp(-1)
         entropy = lse - (logits.softmax(-1) * logits).sum(-1)  # from the same logits: no extra pass
-        return logits.gather(-1, tgt[:, None])[:, 0] - lse, entropy
+        return torch.stack([logits.gather(-1, tgt[:, None])[:, 0] - lse, entropy])
     n = max(1, 2 ** 24 // head.weight.shape[0])  # tokens a chunk, recomputed in backward: no (N, C, V) logits
     pieces = [checkpoint(chunk, *x, use_reentrant=False)
               for x in zip(hidden.split(n), targets.split(n), temps.reshape(-1).split(n))]
-    logp, entropy = zip(*pieces)
-    return torch.cat(logp).view(len(input_ids), -1), torch.cat(entropy).view(len(input_ids), -1)
+    return torch.cat(pieces, 1).view(2, len(input_ids), -1).unbind()  # logp, entropy (N, C)
 
 def policy_logps(model, batch: dict, idx: list[int], a: Args):  # -> logp, entropy (n, C) of the rows idx
     with autocast(a, batch["mask"].device):
