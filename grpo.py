@@ -894,8 +894,7 @@ def collate(groups: list[dict], pad_id: int, device) -> dict:
     per_fn = [[float(v[i]) if i < len(v) else math.nan for v in g["per_fn"].values()] for g, i in rows]
     for r, (g, i) in enumerate(rows):
         prompt, comp = g["prompt_ids"], g["completions"][i]
-        ids[r, P - len(prompt):P] = prompt
-        ids[r, P:P + len(comp)] = comp
+        ids[r, P - len(prompt):P + len(comp)] = torch.cat([prompt, comp])
         attn[r, P - len(prompt):] = 1  # after-EOS padding stays attended: causal, masked out of the loss
         mask[r, :len(comp)] = g["tool_mask"][i] if "tool_mask" in g else 1  # --tools: 0 on a tool's tokens
         sampler_logp[r, :len(comp)] = g["sampler_logp"][i]
