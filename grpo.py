@@ -783,14 +783,13 @@ def equal(rewards: torch.Tensor) -> torch.Tensor:  # (n, G) -> (n,): the groups 
     return rewards.max(-1).values == rewards.min(-1).values
 
 def select_groups(rewards: torch.Tensor, a: Args) -> tuple[torch.Tensor, bool, str]:
-    """rewards (n, G): every rank's groups so far -> the indices of those to train, whether B were found and
-    --dry-run's words. FORKER: a filter before `enough` is refilled by sampling again; one after it is not."""
+    """rewards (n, G): every rank's groups so far -> the indices to train, enough, --dry-run's words."""
     big = a.max_new_tokens * rewards.double().abs().sum() ** 2  # bounds every float32 sum the advantages
     if not big < torch.finfo(torch.float32).max:  # take: group means, squares, rpp's whitening over tokens
         fail(f"rewards up to {rewards.abs().max():.3g} overflow float32 in the advantages' sums (T (Σ|R|)² "
              f"over 3.4e38): scale them")
     keep = torch.arange(len(rewards))
-    words = "all"
+    words = "all"  # FORKER: a filter from here to `enough` is refilled by sampling again; one after it is not
     if a.dynamic_sampling:  # DAPO §3.2: the groups whose rewards differ
         keep = keep[~equal(rewards)]
         words = f"dynamic sampling (≤{a.max_gen_rounds} rounds)"
