@@ -1284,8 +1284,7 @@ def step_stats(d: dict) -> dict:
     return out
 
 def edit_source_grads(grads: dict, params: list, a: Args) -> tuple[dict, str]:
-    """--split-grads: g_s, g_t, the student and teacher gradients summed over micro-batches and ranks, before
-    clipping and the step -> .grad = g_s + g_t (the full-batch gradient), metrics, --dry-run's words."""
+    """--split-grads: g_s, g_t, the step's student and teacher gradients, unclipped -> .grad = g_s + g_t."""
     words = "; ∇ = g_s + g_t, the student's and the teacher's rows backpropagated apart"
     if not grads:  # none without --split-grads; --dry-run's call
         return {}, words if a.split_grads else ""
