@@ -1250,9 +1250,8 @@ def train_step(model, ref_model, opt, groups: list[dict], a: Args, state: dict |
                 sums[key] = sums.get(key, 0) + torch.where(valid, x, 0).sum()
                 sums["n:" + key] = sums.get("n:" + key, 0) + valid.sum()
                 tokens.get(key, torch.empty_like(mask))[idx] = torch.where(valid, x, math.nan)  # (or dropped)
-        # the step's gradient is the SUM of the ranks' (each rank's loss carries the global normaliser)
         for g in sum(grads.values(), []) or [p.grad for p in params]:
-            all_sum(g)
+            all_sum(g)  # the step's gradient: the ranks' SUM (each loss carries the global normaliser)
         out, _ = edit_source_grads(grads, params, a)
         every = all_gather({k: float(v) for k, v in sums.items()})
         total = {k: sum(d.get(k, 0.0) for d in every) for k in set().union(*every)}
