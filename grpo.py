@@ -497,8 +497,7 @@ def prompt_text(tok, ex: dict, a: Args, tools=None, reply=None) -> str:  # sampl
 def completion_mask(ids: torch.Tensor, eos_ids) -> torch.Tensor:
     """ids (N, C) -> mask (N, C): 1 up to and including the first EOS (an action to learn), 0 after."""
     is_eos = torch.isin(ids, torch.as_tensor(eos_ids, device=ids.device))  # by position: pad may be an EOS
-    first = torch.where(is_eos.any(1), is_eos.int().argmax(1), ids.shape[1])  # (N,)
-    return torch.arange(ids.shape[1], device=ids.device)[None] <= first[:, None]
+    return is_eos.cumsum(1) - is_eos.int() == 0  # no EOS before it
 
 def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False, sampler=None, tools=None,
              episodes=None, temps=None):
@@ -547,8 +546,7 @@ def model_text(tok, comps: list[torch.Tensor], tool_masks: list[torch.Tensor]) -
 def sample(model, tok, held: list[torch.Tensor], new_tokens: int, a: Args, greedy=False, sampler=None,
            temps=None):
     """A turn of each row: the tokens drawn after what it holds (prompt, draws, results), their log-probs at
-    the row's temperature (temps (n,), a's if None; greedy: 1). A prefill, then a decode_step a token on the
-    static KV cache; EOS is checked every 16 tokens (the loop's one host sync)."""
+    the row's temperature (temps (n,)): a prefill, then a decode_step a token on the static KV cache."""
     if not sampler or len(held) > sampler["rows"] or max(map(len, held)) > sampler["prompt_len"]:
         sampler = make_sampler(model, a, max(map(len, held)), len(held))  # uncompiled, this call's shape
     N, P, n, dev = sampler["rows"], sampler["prompt_len"], len(held), model.device
@@ -560,14 +558,13 @@ def sample(model, tok, held: list[torch.Tensor], new_tokens: int, a: Args, greed
     eos = torch.tensor(model.generation_config.eos_token_id, device=dev)
     out = torch.zeros(N, new_tokens, dtype=torch.long, device=dev)  # (N, C): the tokens drawn
     logp = torch.zeros(N, new_tokens, device=dev)  # (N, C): their log-probs
-    sampler["cache"].reset()  # zeros, in place: the compiled step reads the same tensors every call
+    sampler["cache"].reset()  # zeros in place: a compiled step reads and writes one set of tensors
     model.eval()
     with torch.no_grad(), autocast(a, dev):
         x, pos, step = enc.input_ids, torch.arange(P, device=dev), decode_step  # the prefill: never compiled
         for t in range(new_tokens):
-            token, logp[:, t] = step(model, sampler["cache"], x, pos, pads, temp, a.top_k, a.top_p)
-            out[:, t] = token  # copied: a compiled step's outputs are overwritten by its next call
-            if t % 16 == 15 and torch.isin(out[:n, :t + 1], eos).any(1).all():  # every row has ended
+            out[:, t], logp[:, t] = step(model, sampler["cache"], x, pos, pads, temp, a.top_k, a.top_p)
+            if t % 16 == 15 and torch.isin(out[:n, :t + 1], eos).any(1).all():  # the loop's one sync
                 break
             x, pos, step = out[:, t:t + 1].contiguous(), pos[-1:] + 1, sampler["step"]  # (strides: guarded)
     model.train()
@@ -577,8 +574,7 @@ def sample(model, tok, held: list[torch.Tensor], new_tokens: int, a: Args, greed
 
 def decode_step(model, cache, ids, pos, pads, temp, top_k: int, top_p: float):
     """The rows' newest tokens ids (N, q) at cache positions pos (q,) into the cache -> the next token (N,),
-    its log-prob at the row's temperature temp (N, 1) before top-k/p cut it (the trainer's). It holds one
-    position's logits, (N, V). temp 0: greedy (its log-prob at temperature 1)."""
+    its log-prob at the row's temperature temp (N, 1; 0: greedy, at 1) before top-k/p (the trainer's)."""
     from transformers import TopKLogitsWarper, TopPLogitsWarper
     keys = torch.arange(cache.get_max_length(), device=ids.device)  # (L,): the cache's positions
     first = torch.minimum(pads[..., None], pos[:, None])  # (N, q, 1): the row's first token (a pad: itself)
@@ -616,9 +612,8 @@ def longest_prompt(model, tok, a: Args, train, evals, every: bool, tools=None) -
     return longest
 
 def make_sampler(model, a: Args, prompt_len: int, rows: int, compiled: bool = False) -> dict | None:
-    """The decode loop's shape, rows x (prompt_len + T) (a smaller call is padded to it), and all it holds: a
-    static KV cache (transformers'), kept for the run. compiled: decode_step compiled once for every position
-    and call, reading the weights in place; None (each call's own, uncompiled) for two runs (README)."""
+    """The decode loop's shape, rows x (prompt_len + T) (a smaller call padded to it), its static KV cache for
+    the run. compiled: decode_step compiled once for all positions and calls, reading the weights in place."""
     from transformers import StaticCache
     if compiled and (a.load_in_4bit or a.lora_r == 0 and use_bf16(a, model.device)):  # see "Design notes"
         print("grpo: note: QLoRA, and full fine-tuning in bf16, sample uncompiled", file=sys.stderr)
@@ -749,8 +744,7 @@ def end_worker(tools: dict):  # its process group: all a tool started (unless in
 
 # ----------------------------------------------------------------------------- reward and groups
 def parse_rewards(spec: str) -> list[tuple[str, str, float]]:
-    """--rewards, the one parse of it: "correct:1, format : 0.2" -> (name, weight as written, its value: 1 if
-    none is written, NaN if it is not a number)."""
+    """--rewards, the one parse of it: "correct:1, format : 0.2" -> (name, weight as written, its value)."""
     out = []
     for part in filter(None, spec.split(",")):
         name, _, weight = [s.strip() for s in part.partition(":")]
@@ -834,14 +828,13 @@ def equal(rewards: torch.Tensor) -> torch.Tensor:  # (n, G) -> (n,): the groups 
     return rewards.max(-1).values == rewards.min(-1).values
 
 def select_groups(rewards: torch.Tensor, a: Args) -> tuple[torch.Tensor, bool, str]:
-    """rewards (n, G): every rank's groups so far -> the indices of those to train, whether B were found and
-    --dry-run's words. FORKER: a filter before `enough` is refilled by sampling again; one after it is not."""
+    """rewards (n, G): every rank's groups so far -> the indices to train, enough, --dry-run's words."""
     big = a.max_new_tokens * rewards.double().abs().sum() ** 2  # bounds every float32 sum the advantages
     if not big < torch.finfo(torch.float32).max:  # take: group means, squares, rpp's whitening over tokens
         fail(f"rewards up to {rewards.abs().max():.3g} overflow float32 in the advantages' sums (T (Σ|R|)² "
              f"over 3.4e38): scale them")
     keep = torch.arange(len(rewards))
-    words = "all"
+    words = "all"  # FORKER: a filter from here to `enough` is refilled by sampling again; one after it is not
     if a.dynamic_sampling:  # DAPO §3.2: the groups whose rewards differ
         keep = keep[~equal(rewards)]
         words = f"dynamic sampling (≤{a.max_gen_rounds} rounds)"
@@ -949,8 +942,7 @@ def collate(groups: list[dict], pad_id: int, device) -> dict:
     per_fn = [[float(v[i]) if i < len(v) else math.nan for v in g["per_fn"].values()] for g, i in rows]
     for r, (g, i) in enumerate(rows):
         prompt, comp = g["prompt_ids"], g["completions"][i]
-        ids[r, P - len(prompt):P] = prompt
-        ids[r, P:P + len(comp)] = comp
+        ids[r, P - len(prompt):P + len(comp)] = torch.cat([prompt, comp])
         attn[r, P - len(prompt):] = 1  # after-EOS padding stays attended: causal, masked out of the loss
         mask[r, :len(comp)] = g["tool_mask"][i] if "tool_mask" in g else 1  # --tools: 0 on a tool's tokens
         sampler_logp[r, :len(comp)] = g["sampler_logp"][i]
@@ -965,8 +957,7 @@ def collate(groups: list[dict], pad_id: int, device) -> dict:
 
 # ----------------------------------------------------------------------------- log-probs: the step's inputs
 def token_logps(model, input_ids, attention_mask, n_completion: int, temperature=1.0):
-    """Log-probs and entropy (N, C) of the last C tokens from one forward, both with gradient, at the
-    temperature (a number, or a row's, (N, 1))."""
+    """Log-probs, entropy (N, C) of the last C tokens, with gradient, at a temperature or a row's (N, 1)."""
     pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos,
                                  use_cache=False).last_hidden_state[:, -n_completion - 1:-1]  # (N, C, H)
@@ -974,16 +965,15 @@ def token_logps(model, input_ids, attention_mask, n_completion: int, temperature
     hidden = hidden.reshape(-1, hidden.shape[-1])  # (N*C, H)
     targets = input_ids[:, -n_completion:].reshape(-1)  # (N*C,)
     temps = torch.as_tensor(temperature, device=hidden.device).expand(len(input_ids), n_completion)  # (N, C)
-    def chunk(h, tgt, temp):  # (n, H), (n,), (n,) -> logp, entropy (n,): hidden state t predicts token t+1
+    def chunk(h, tgt, temp):  # (n, H), (n,), (n,) -> (2, n): logp, entropy; hidden state t predicts token t+1
         logits = head(h).float() / temp[:, None]  # (n, V)
         lse = logits.logsumexp(-1)
         entropy = lse - (logits.softmax(-1) * logits).sum(-1)  # from the same logits: no extra pass
-        return logits.gather(-1, tgt[:, None])[:, 0] - lse, entropy
+        return torch.stack([logits.gather(-1, tgt[:, None])[:, 0] - lse, entropy])
     n = max(1, 2 ** 24 // head.weight.shape[0])  # tokens a chunk, recomputed in backward: no (N, C, V) logits
     pieces = [checkpoint(chunk, *x, use_reentrant=False)
               for x in zip(hidden.split(n), targets.split(n), temps.reshape(-1).split(n))]
-    logp, entropy = zip(*pieces)
-    return torch.cat(logp).view(len(input_ids), -1), torch.cat(entropy).view(len(input_ids), -1)
+    return torch.cat(pieces, 1).view(2, len(input_ids), -1).unbind()  # logp, entropy (N, C)
 
 def policy_logps(model, batch: dict, idx: list[int], a: Args):  # -> logp, entropy (n, C) of the rows idx
     with autocast(a, batch["mask"].device):
@@ -1008,8 +998,7 @@ def step_inputs(model, ref_model, batch: dict, names: set, a: Args):
                     batch["ref_logp"][idx] = policy_logps(ref_model or model, batch, idx, a)[0]
 
 def gather_step(batch: dict, pad: float = 0.0) -> tuple[dict, torch.Tensor]:
-    """Every rank's rows (not the token ids) on the CPU, in sampling order as one process has them, (n, C)
-    padded with `pad` to the longest; and where this rank's are among them."""
+    """Every rank's rows in sampling order, as one process has them; where this rank's are among them."""
     mine = {k: v.cpu() for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
     every = all_gather(mine)
     def widen(k, x):  # (n, C_rank) -> (n, C), C the longest
@@ -1035,12 +1024,10 @@ def soft_weights(stds: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return stds / (stds.max() + eps)  # w_g = std_g / (max_g' std_g' + eps), the max over the step's groups
 
 def step_terms(s: dict, a: Args, state: dict):
-    """Every rank's rows of the step as one process has them (a statistic, as quantile, sees them all), G a
-    group. s: collate's tensors (reward (M,), mask (M, C), ...) and the step inputs a term reads; state: the
-    run's (at_step), a term's memory across steps. -> what token_objective reads by name, (M, 1) or (M, C):
-    adv (A_i, or per token), row_adv (A_i), loss_mask, keep (the policy loss's and entropy bonus's tokens),
-    flat (A = 0: a row of an equal-reward group); metrics; --dry-run's words. FORKER: a reward-, advantage- or
-    mask-level term, or a token set or weight (a name returned), is a line here, its words the next."""
+    """The reward-, advantage- and mask-level terms on every rank's rows as one process has them (a quantile
+    sees them all). s: collate's tensors (reward (M,), mask (M, C), ...), the step inputs a term reads;
+    state: the run's, a term's memory. -> token_objective's tensors by name, metrics, --dry-run's words.
+    FORKER: a term, or a token set or weight (a name returned), is a line here, its words the next."""
     R, mask, stats, G = s["reward"], s["mask"], {}, group_size(a)
     words = {"R": "", "m": "1 up to and including the first EOS"}
     if a.tools or a.env:  # collate's mask: 0 on a tool's tokens, so no term, normaliser or |o_i| counts them
@@ -1084,7 +1071,7 @@ def step_terms(s: dict, a: Args, state: dict):
         mask = mask * ~s["truncated"][:, None]
         words["m"] += ", 0 on a truncated completion"
     adv = row_adv = adv.reshape(-1, 1)  # (M, 1): A_i; then token-level terms
-    keep = mask > 0
+    keep = mask > 0  # the tokens the policy loss and the entropy bonus act on
     if a.top_entropy_quantile < 1 and mask.any():  # 80/20 (2506.01939): the policy loss (and the entropy
         H = s["old_entropy"]  # bonus, as TRL's) on the top-ρ of the step's trained tokens by π_old's H
         ranked = H[keep].sort().values  # torch.quantile's linear rule; it refuses over 2^24 tokens
@@ -1142,8 +1129,7 @@ def policy_loss(logp, old_logp, adv, mask, a: Args):
     return loss, diag, words
 
 def cov_loss(ratio, clipped, log_ratio, logp, adv, mask, a: Args):
-    """Clip-Cov and KL-Cov (2505.22617 §4.3), as verl's, on a micro-batch's tokens -> the loss, the n =
-    max(1, cov_ratio x tokens) selected by cov(A, log pi) (N, C), its words (what each does with them)."""
+    """Clip-Cov and KL-Cov (2505.22617 §4.3), as verl's, on a micro-batch -> loss, tokens chosen, words."""
     m = mask != 0
     cov = (adv - adv.expand_as(logp)[m].mean()) * (logp - logp[m].mean()).detach()  # (N, C)
     n = max(1, int(a.cov_ratio * m.sum()))
@@ -1193,10 +1179,9 @@ def aggregate_loss(loss, mask, mode: str, max_len: int, n_seqs=None, n_tokens=No
     return per_seq.sum() / (max(n_seqs, 1) * max_len), f"Σ_i Σ_t ℓ_i,t / (n_seq·{max_len})"  # Dr. GRPO
 
 def token_objective(logp, entropy, b: dict, a: Args):
-    """A micro-batch's per-token loss ℓ (N, C) before aggregation, its terms in --dry-run's order, each
-    beside its words; diagnostics (N, C) by name. logp, entropy (N, C): the policy's, with gradient; b: the
-    micro-batch's rows (step_terms' adv, loss_mask, keep; sampler_logp; the step inputs a term reads). FORKER:
-    a new term or token weight is a line here, its words the next; a metric, a line in `diag`."""
+    """A micro-batch's per-token loss ℓ (N, C), its terms in --dry-run's order, each beside its words, and
+    diagnostics (N, C) by name; logp, entropy: the policy's, with gradient; b: its rows' tensors by name.
+    FORKER: a new term or token weight is a line here, its words the next; a metric, a line in `diag`."""
     mask = b["loss_mask"]
     old_logp = logp.detach()  # one update a step: ratio 1, no extra forward
     words = {"π_old": "sg(π_θ): one update a step, so r = 1"}
@@ -1238,10 +1223,8 @@ def token_objective(logp, entropy, b: dict, a: Args):
 
 # ----------------------------------------------------------------------------- the step
 def probe(a: Args):
-    """The step's terms on made-up numbers, no model: the inputs they read, not step_terms' outputs (a step
-    computes these, only these); each term's --dry-run words; what becomes of an equal-reward group:
-    whether the rows step_terms flags A = 0 are skipped (--skip-zero-variance, and ∇ℓ = 0 there: skipping
-    is a no-op), or as the run's state decides, if a second step on the state the first left flags others."""
+    """The step's terms on made-up numbers, no model -> the inputs they read, not step_terms' outputs (a step
+    computes these, only these); whether an equal-reward group may be skipped; each term's --dry-run words."""
     G = group_size(a)
     gen = torch.Generator().manual_seed(0)
     def made_up():  # (G, 3) log-probs: any step input a term reads
@@ -1269,9 +1252,8 @@ def probe(a: Args):
     return set(step) - set(rows) - set(made), skip, {**words, **more}
 
 def prepare(model, ref_model, groups: list[dict], a: Args, state: dict | None):
-    """Before the step's first update: this rank's rows collated, with its terms' inputs; step_terms on every
-    rank's rows; this rank's share of its tensors (adv, loss_mask, ...; A_i also in groups, for samples.jsonl)
-    and rows to train (an equal-reward group only if skipping it changes nothing); the step's normalisers."""
+    """Before the step's first update: this rank's rows with their step inputs and share of step_terms'
+    tensors (A_i in groups too, for samples.jsonl); the rows to train (see probe); the normalisers."""
     device = next(model.parameters()).device
     batch = collate(groups, model.generation_config.pad_token_id, device)
     reads, skip_flat, _ = probe(a)
@@ -1287,8 +1269,7 @@ def prepare(model, ref_model, groups: list[dict], a: Args, state: dict | None):
     return batch, trained.nonzero()[:, 0].tolist(), n_seqs, n_tokens, stats
 
 def train_step(model, ref_model, opt, groups: list[dict], a: Args, state: dict | None = None) -> dict:
-    """num_iterations optimizer steps on a step's groups, in micro-batches (--split-grads: student and teacher
-    rows apart). Metrics: the step stage's, all ranks' trained rows in the last update. state: at_step's."""
+    """num_iterations updates on a step's groups, by micro-batch -> the last update's metrics, all ranks'."""
     params = [p for p in model.parameters() if p.requires_grad]
     batch, rows, n_seqs, n_tokens, stats = prepare(model, ref_model, groups, a, state)
     chunks = [rows[i:i + a.micro_batch_size] for i in range(0, len(rows), a.micro_batch_size)]
@@ -1318,9 +1299,8 @@ def train_step(model, ref_model, opt, groups: list[dict], a: Args, state: dict |
                 sums[key] = sums.get(key, 0) + torch.where(valid, x, 0).sum()
                 sums["n:" + key] = sums.get("n:" + key, 0) + valid.sum()
                 tokens.get(key, torch.empty_like(mask))[idx] = torch.where(valid, x, math.nan)  # (or dropped)
-        # the step's gradient is the SUM of the ranks' (each rank's loss carries the global normaliser)
         for g in sum(grads.values(), []) or [p.grad for p in params]:
-            all_sum(g)
+            all_sum(g)  # the step's gradient: the ranks' SUM (each loss carries the global normaliser)
         out, _ = edit_source_grads(grads, params, a)
         every = all_gather({k: float(v) for k, v in sums.items()})
         total = {k: sum(d.get(k, 0.0) for d in every) for k in set().union(*every)}
@@ -1344,8 +1324,7 @@ def peak_memory(device, phase: str) -> dict:  # CUDA: memory/PHASE_gib, torch's 
     return {f"memory/{phase}_gib": peak}
 
 def step_stats(d: dict) -> dict:
-    """The step's statistics but the means (train_step's), over every rank's trained tokens as one process has
-    them: d[name] (M, C), a diagnostic of token_objective, NaN where it is not defined."""
+    """Statistics but the means (train_step's): d[name] (M, C), a diagnostic of every rank's tokens."""
     out = {}  # FORKER: another statistic of one (a quantile, a covariance, a max) is a line here
     gap = d["sampler/logp_gap"]
     if gap.isfinite().any():  # the sampler's health check at its worst token
@@ -1353,8 +1332,7 @@ def step_stats(d: dict) -> dict:
     return out
 
 def edit_source_grads(grads: dict, params: list, a: Args) -> tuple[dict, str]:
-    """--split-grads: g_s, g_t, the student and teacher gradients summed over micro-batches and ranks, before
-    clipping and the step -> .grad = g_s + g_t (the full-batch gradient), metrics, --dry-run's words."""
+    """--split-grads: g_s, g_t, the step's student and teacher gradients, unclipped -> .grad = g_s + g_t."""
     words = "; ∇ = g_s + g_t, the student's and the teacher's rows backpropagated apart"
     if not grads:  # none without --split-grads; --dry-run's call
         return {}, words if a.split_grads else ""
@@ -1460,8 +1438,7 @@ def fingerprint(path: str, spread: bool = False, span: int = 1 << 26):
         return zlib.crc32(b"%d %b %b" % (size, head, f.read()))
 
 def save(model, tok, a: Args, state: dict):
-    """checkpoint/: weights, tokenizer, grpo_args.json (flags, step, ...), trainer_state.pt, written to
-    checkpoint.tmp/ and swapped in by two renames: at every instant checkpoint/ or .old/ is whole."""
+    """Writes checkpoint.tmp/, swapped in by two renames: at every instant checkpoint/ or .old/ is whole."""
     if not all(p.isfinite().all() for p in model.parameters() if p.requires_grad):
         fail(f"the weights are not finite at step {state['step']}: nothing saved over the last checkpoint")
     final = os.path.join(a.output_dir, "checkpoint")
