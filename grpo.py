@@ -657,14 +657,14 @@ def load_tools(a: Args, tok, records=()) -> dict:
         path, names = inspect.getfile(calculator), ":calculator"
     try:
         found = runpy.run_path(path)  # as --reward-fn's file; the calls run in a process of their own
-        env = found[names[1:]] if a.env else None  # --env: the class, its methods offered bound (no self)
+        env = found.get(names[1:]) if a.env else None  # --env: the class, its methods offered bound (no self)
+        if a.env and not (isinstance(env, type) and callable(getattr(env, "reset", None))):
+            raise TypeError(f"no class {names[1:]!r} with a reset(self, **record): --env PATH.py:Class")
         fns = {k: v.__get__(env) if a.env else v for k, v in (vars(env) if a.env else found).items()
                if inspect.isfunction(v) and v.__module__ == "<run_path>" and k[0] != "_" and k != "reset"}
         chosen = names[1:].split(",") if names and not a.env else list(fns)
         schemas = [get_json_schema(fns[k]) for k in chosen if k in fns]
         json.dumps(records)  # (a record goes to the tools' process, as JSON)
-        if a.env and not callable(getattr(env, "reset", None)):
-            raise TypeError(f"{names[1:]} is no class with a method reset(self, **record)")
     except (Exception, SystemExit) as e:  # a file that does not load, a record that is not JSON: one line
         fail(f"{what}: {type(e).__name__}: {e}")
     for k in chosen or [""]:  # each a public function (or method), its arguments named (no *args, **kwargs)
@@ -866,7 +866,10 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, state, sampler=None, 
         drawn = draw(stream, a, state)[0][rank::world]  # whole groups per rank
         t0 = time.time()
         texts = [prompt_text(tok, ex, a, tools) for ex in drawn]
-        temps = [ex.get("temperature", a.temperature) for ex in drawn]  # FORKER: a prompt's own, set in draw
+        temps = [ex.get("temperature", a.temperature) for ex in drawn]  # FORKER: a prompt's, set in draw (a
+        bad = [t for t in temps if not (finite32(t) and t > 0)]  # record's field: rewards get it as others)
+        if bad:
+            fail(f"a record's temperature must be a number above 0, not {bad[0]!r}")
         episodes = [{"record": ex} for ex in drawn for _ in range(G_s)]  # (--tools, --env: generate's)
         prompts, comps, truncated, logps, masks, calls = generate(model, tok, texts, G_s, a, sampler=sampler,
                                                                   tools=tools, episodes=episodes, temps=temps)
@@ -1325,7 +1328,7 @@ def peak_memory(device, phase: str) -> dict:  # CUDA: memory/PHASE_gib, torch's 
 
 def step_stats(d: dict) -> dict:
     """Statistics but the means (train_step's): d[name] (M, C), a diagnostic of every rank's tokens."""
-    out = {}  # FORKER: another statistic of one (a quantile, a covariance, a max) is a line here
+    out = {}  # FORKER: another statistic of one (a quantile, a max; a step may have no token) is a line here
     gap = d["sampler/logp_gap"]
     if gap.isfinite().any():  # the sampler's health check at its worst token
         out["sampler/logp_gap_max"] = gap[gap.isfinite()].max().item()

@@ -3817,8 +3817,9 @@ def test_an_environment_that_fails_for_one_record_is_that_episode_s_error(tools_
 
 
 @pytest.mark.parametrize("body, spec, records, says", [
-    (ENV_FILE, ":Nope", [], "KeyError: 'Nope'"),
-    ("class G:\n    def play(self) -> str:\n        '''Plays.'''\n", ":G", [], "no class with a method reset"),
+    (ENV_FILE, ":Nope", [], "no class 'Nope' with a reset"),
+    (ENV_FILE, "", [], r"no class '' with a reset\(self, \*\*record\): --env PATH.py:Class$"),
+    ("class G:\n    def play(self) -> str:\n        '''Plays.'''\n", ":G", [], "no class 'G' with a reset"),
     ("class G:\n    def reset(self, **r):\n        pass\n    def play(self) -> str:\n        return ''\n", ":G", [],
      "DocstringParsingException"),
     ("class G:\n    def reset(self, **r):\n        pass\n", ":G", [], "no public function ''"),
@@ -4712,6 +4713,16 @@ def test_a_prompt_s_own_temperature_reaches_the_sampler_and_the_trainer_alike(ti
     out = str(tmp_path / "out")
     main(["--model", tiny_dir, "--output-dir", out, "--max-steps", "2"] + TINY + ["--eval-every", "0"])
     assert used == [[0.5, 2.0]] * 2 and all(r["sampler/logp_gap"] < 1e-4 for r in metrics(out))
+
+
+@pytest.mark.parametrize("t", [0, -1.0, "0.7", None, math.inf])
+def test_a_record_s_temperature_that_is_no_positive_number_is_refused_in_one_line(loaded, t):
+    """A record's "temperature" (a fork's, or a dataset's field) is sampled at and divides the trainer's logits: 0
+    would train on infinities, a string or None fail inside the sampler. Each is one line before sampling."""
+    a, model, tok = loaded
+    stream = iter([{"prompt": "1+1?", "answer": "2", "temperature": t}] * a.prompts_per_step)
+    with pytest.raises(SystemExit, match=f"^grpo: error: a record's temperature must be a number above 0, not {t!r}$"):
+        grpo.rollout(model, tok, stream, [("stub", lambda c, ans, **kw: 0.0, 1.0)], None, a, {"prompts_drawn": 0})
 
 
 CURRICULUM = ["--reward-fn", "rw.py:solved_or_digits", "--rewards", "correct", "--no-overlong-penalty"]
