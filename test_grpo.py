@@ -5342,7 +5342,7 @@ if {straight!r} in sys.argv and os.environ["RANK"] == "1":  # rank 1 copies the 
 
 
 RANKS = """
-import dataclasses, itertools, json, sys
+import dataclasses, itertools, json, os, sys
 sys.path.insert(0, sys.argv[1])
 import torch
 import grpo
@@ -5417,9 +5417,11 @@ stats.update(grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr
 result["metrics"] = {k: v for k, v in stats.items() if not k.startswith("time/")}
 result["eval"] = grpo.evaluate(model, tok, train[:10], dataclasses.replace(a, eval_samples=2), rank, world)
 if rank == 0:
-    json.dump(result, open(out + ".json", "w"))
-if world > 1:
-    torch.distributed.destroy_process_group()
+    with open(out + ".json", "w") as f:
+        json.dump(result, f)
+if world > 1:  # both done; then out without gloo's teardown, which aborted a rank at exit 1 run in ~10 under load
+    torch.distributed.barrier()
+    os._exit(0)
 """
 
 

@@ -130,7 +130,8 @@ def ddp_updates(model_dir, out):
         results[(loss_agg, split)] = {"update": {n: p.detach() - before[n] for n, p in params.items()}, "metrics": m}
     if rank == 0:
         torch.save(results, out)
-    if world > 1:
+    if world > 1:  # together: a rank that tears the group down while the other still reads it aborts it
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 
