@@ -17,7 +17,8 @@ around it, token_objective: --beta/--kl, --tis(-mode), --opsm-delta, --entropy-c
 and mask, step_terms: --kl-in-reward, --adv-estimator rloo | reinforce_plus_plus_baseline | gdpo, --scale
 batch, --soft-reweight, --top-entropy-quantile, --mask-truncated. --dry-run prints what the flags add up to.
 Mixed pool (--teacher-pool): G_s samples and G_t cached teacher completions with frozen rewards in one group
-(as in LUFFY, 2504.14945); --split-grads backpropagates them apart. Tool calls: --tools. Departures: README.
+(as in LUFFY, 2504.14945); --split-grads backpropagates them apart. Tool calls: --tools; environments with
+state (TRL's environment_factory): --env; a reward model: --reward-model. Departures: README.
 Shapes: B prompts a step, G completions a prompt (G_s + G_t), N rows (B*G, or a micro-batch), P prompt
 length (left padded), C completion length (<= T = max_new_tokens), H hidden size, V vocabulary.
 """
