@@ -375,7 +375,7 @@ def load_data(a: Args, reward_fns=()) -> tuple[list[dict], list[dict]]:
         train = arithmetic_task(20000, a.seed)
         evals = evals or arithmetic_task(a.eval_prompts, 0, held_out=True)
     else:
-        train = load_examples(a.dataset, "train", graded, reward_fns, reward_keywords(a, 0))
+        train = load_examples(a.dataset, "train", graded, reward_fns, reward_keywords(a))
     unread = [ex["answer"] for ex in train + evals if "\n" in ex["answer"] or len(ex["answer"]) > MAX_ANSWER]
     if graded and unread:  # a worked solution (GSM8K's without '#### N'): `correct` compares final answers
         fail(f"{len(unread)} answers `correct` cannot read, e.g. {unread[0][:40]!r}: end each in '#### N'")
@@ -500,49 +500,49 @@ def completion_mask(ids: torch.Tensor, eos_ids) -> torch.Tensor:
     is_eos = torch.isin(ids, torch.as_tensor(eos_ids, device=ids.device))  # by position: pad may be an EOS
     return is_eos.cumsum(1) - is_eos.int() == 0  # no EOS before it
 
-def generate(model, tok, texts: list[str], n: int, a: Args, greedy: bool = False, sampler=None, tools=None,
-             episodes=None, temps=None):
-    """n completions a prompt, to EOS or T tokens in all; --tools, --env: a turn that ends in calls gets their
-    results and draws on, till the episode ends. -> prompt ids, completions, truncated (not ended by the
-    model's EOS), the sampler's log-probs, tool masks, the calls; episodes (a row's "record") get "env"."""
+def generate(model, tok, rows: list[dict], a: Args, greedy=False, sampler=None, tools=None) -> list[dict]:
+    """Each row's completion, to EOS or T tokens in all; --tools, --env: a turn that ends in calls gets their
+    results and draws on, till the episode ends. A row, {"record": its prompt's}, gets prompt_ids (--env: the
+    text its reset returns ends the user turn), completion, logp (the sampler's), tool_mask (0 on a result),
+    tool_calls, truncated (not ended by the model's EOS), text (the model's tokens, graded), env (--env)."""
     eos = model.generation_config.eos_token_id
-    if tools and episodes:  # each row's instance, reset with its record: a text it returns ends the user turn
-        starts = [run_tool(tools, {"name": "reset"}, i, ep)["result"] for i, ep in enumerate(episodes)][::n]
-        texts = [prompt_text(tok, {**ep["record"], "prompt": ep["record"]["prompt"] + start}, a, tools)
-                 for ep, start in zip(episodes[::n], starts)]  # (its group's first: a group shares a prompt)
-    prompts = [torch.tensor(ids) for ids in tok(texts, add_special_tokens=not tok.chat_template).input_ids]
-    pieces = [[] for _ in range(len(texts) * n)]  # a row's (tokens, sampler log-probs, tool mask), in order
-    calls = [[] for _ in pieces]
-    todo = list(range(len(pieces)))  # the rows still drawing
+    temps = [r["record"].get("temperature", a.temperature) for r in rows]  # FORKER: a prompt's, set in draw
+    bad = [t for t in temps if not (finite32(t) and t > 0)]  # (a record's field: rewards get it as others)
+    if bad:
+        fail(f"a record's temperature must be a number above 0, not {bad[0]!r}")
+    for i, r in enumerate(rows):  # --env: the row's instance, reset with its record (a tools file's: no-op)
+        start = run_tool(tools, {"name": "reset"}, i, r)["result"] if tools else ""
+        text = prompt_text(tok, {**r["record"], "prompt": r["record"]["prompt"] + start}, a, tools)
+        r.update(prompt_ids=torch.tensor(tok(text, add_special_tokens=not tok.chat_template).input_ids),
+                 tool_calls=[])
+    pieces = [[] for _ in rows]  # a row's (tokens, sampler log-probs, tool mask), in order
+    todo = list(range(len(rows)))  # the rows still drawing
     while todo:
-        held = [torch.cat([prompts[i // n]] + [ids for ids, _, _ in pieces[i]]) for i in todo]
-        room = [a.max_new_tokens - len(h) + len(prompts[i // n]) for i, h in zip(todo, held)]  # what T leaves
-        row_temps = temps and [temps[i // n] for i in todo]  # each row's prompt's
-        drawn, logp = sample(model, tok, held, max(room), a, greedy, sampler, row_temps)
+        held = [torch.cat([rows[i]["prompt_ids"]] + [ids for ids, _, _ in pieces[i]]) for i in todo]
+        room = [a.max_new_tokens - len(h) + len(rows[i]["prompt_ids"]) for i, h in zip(todo, held)]  # T's
+        drawn, logp = sample(model, tok, held, max(room), a, greedy, sampler, [temps[i] for i in todo])
         going = []
         for i, ids, lp, m, left in zip(todo, drawn, logp, completion_mask(drawn, eos), room):
-            turn = ids[m][:left]  # up to its first EOS, within T
+            turn, calls = ids[m][:left], rows[i]["tool_calls"]  # up to its first EOS, within T
             pieces[i].append((turn, lp[m][:left], torch.ones(len(turn))))
             found = parse_tool_calls(tok.decode(turn)) if tools and turn[-1].item() in eos else []
-            if len(calls[i]) + len(found) > a.max_tool_calls:  # counted (metrics, rewards), not run
-                calls[i] += [{**c, "result": "error: past --max-tool-calls", "error": True} for c in found]
-            if not found or len(calls[i]) > a.max_tool_calls or len(turn) == left:
+            if len(calls) + len(found) > a.max_tool_calls:  # counted (metrics, rewards), not run
+                calls += [{**c, "result": "error: past --max-tool-calls", "error": True} for c in found]
+            if not found or len(calls) > a.max_tool_calls or len(turn) == left:
                 continue  # the completion ends with this turn
-            calls[i] += [run_tool(tools, call, i, episodes and episodes[i]) for call in found]
-            if any(c.get("done") for c in calls[i][-len(found):]):
+            calls += [run_tool(tools, call, i, rows[i]) for call in found]
+            if any(c.get("done") for c in calls[-len(found):]):
                 continue  # the environment ended the episode
-            result = torch.tensor(tool_turn(tok, eos, calls[i][-len(found):], left - len(turn)))
+            result = torch.tensor(tool_turn(tok, eos, calls[-len(found):], left - len(turn)))
             pieces[i].append((result, torch.full(result.shape, math.nan), torch.zeros(len(result))))
             if len(turn) + len(result) < left:
                 going.append(i)
         todo = going
-    comps, logps, tool_masks = ([torch.cat([piece[k] for piece in p]) for p in pieces] for k in range(3))
-    truncated = [c[-1].item() not in eos or not m[-1] for c, m in zip(comps, tool_masks)]  # (m: a result cut)
-    return prompts, comps, truncated, logps, tool_masks, calls
-
-def model_text(tok, comps: list[torch.Tensor], tool_masks: list[torch.Tensor]) -> list[str]:
-    """What rewards and accuracy grade: the model's tokens, not a tool's (its last number is no answer)."""
-    return tok.batch_decode([c[m > 0] for c, m in zip(comps, tool_masks)], skip_special_tokens=True)
+    for r, p in zip(rows, pieces):
+        r["completion"], r["logp"], r["tool_mask"] = (torch.cat([piece[k] for piece in p]) for k in range(3))
+        r["truncated"] = r["completion"][-1].item() not in eos or not r["tool_mask"][-1]  # (0: a result cut)
+        r["text"] = tok.decode(r["completion"][r["tool_mask"] > 0], skip_special_tokens=True)  # no tool's
+    return rows
 
 def sample(model, tok, held: list[torch.Tensor], new_tokens: int, a: Args, greedy=False, sampler=None,
            temps=None):
@@ -791,36 +791,38 @@ def build_rewards(a: Args) -> list[tuple[str, object, float]]:
             fns[i] = (name, functools.wraps(fn)(functools.partial(fn, max_length=a.max_new_tokens)), weight)
     return fns
 
-def score(texts: list[str], examples: list[dict], lengths: list[int], reward_fns, a: Args, episodes=None):
-    """Rewards (n,), each function's values, and --dry-run's words for what is added."""
+def score(rows: list[dict], reward_fns, a: Args):
+    """The rows' (generate's) rewards (n,), each function's values, --dry-run's words for what is added."""
     per_fn = {}
     for name, fn, weight in reward_fns:
-        rows = zip(texts, examples, lengths, episodes or [{}] * len(texts))
         try:
             if getattr(fn, "batched", False):  # rewards.reward_model: the completions in one call
-                values = fn(texts, examples)
+                values = fn([r["text"] for r in rows], [r["record"] for r in rows])
             else:  # a completion, its answer, and as keywords its record's other fields (as TRL's)
-                values = [fn(text, ex["answer"], **{k: v for k, v in ex.items() if k != "answer"},
-                             **reward_keywords(a, n, e)) for text, ex, n, e in rows]
+                values = [fn(r["text"], r["record"]["answer"], **reward_keywords(a, r)) for r in rows]
         except (Exception, SystemExit) as e:  # a user's reward: say which one and why, then stop
             fail(f"reward {name!r} raised {type(e).__name__}: {e}")
         for v in itertools.filterfalse(finite32, values):  # the first value that is no reward stops the run
             fail(f"reward {name!r} returned {v!r:.60}: a reward is a number, finite in float32")
         per_fn[name] = torch.tensor([float(v) for v in values])
-    total = sum((weight * per_fn[name] for name, _, weight in reward_fns), torch.zeros(len(texts)))
+    total = sum((weight * per_fn[name] for name, _, weight in reward_fns), torch.zeros(len(rows)))
     words = ""
     if a.overlong_penalty:  # DAPO §3.4, L_max = T
-        total += torch.tensor([overlong_penalty(n, a.max_new_tokens, a.overlong_buffer) for n in lengths])
+        total += torch.tensor([overlong_penalty(len(r["completion"]), a.max_new_tokens, a.overlong_buffer)
+                               for r in rows])
         words = f" + overlong(L_cache={a.overlong_buffer})"
     return total, per_fn, words
 
 def pass_at_k(n: int, c: int, k: int) -> float:  # of n samples, c correct: P(one of k drawn is), unbiased
     return 1 - math.comb(n - c, k) / math.comb(n, k)  # (Chen et al. 2021, 2107.03374, eq. 1)
 
-def reward_keywords(a: Args, length: int, episode=None) -> dict:  # tokens, the tools' too (as T counts)
-    e = {"tool_calls": [], "env": {}, **(episode or {})}  # calls: name, arguments, result (+ error, timeout,
-    kw = dict(length=length, tool_calls=list(e["tool_calls"])) if a.tools or a.env else dict(length=length)
-    return {**kw, "env": argparse.Namespace(**e["env"])} if a.env else kw  # done); env: a copy, as it ended
+def reward_keywords(a: Args, row: dict = dict(record={}, completion=())) -> dict:  # (none: but a record's)
+    """As TRL's: the record's fields but its answer; length, in tokens (the tools' too, as T counts them);
+    --tools, --env: tool_calls (name, arguments, result; error, timeout, done); --env: env, a copy of the
+    instance's public state as the episode ended."""
+    kw = {k: v for k, v in row["record"].items() if k != "answer"} | {"length": len(row["completion"])}
+    kw |= {"tool_calls": list(row.get("tool_calls", []))} if a.tools or a.env else {}
+    return kw | ({"env": argparse.Namespace(**row.get("env", {}))} if a.env else {})
 
 def group_size(a: Args) -> int:  # G: the samples and the teacher's completions of a prompt
     return a.num_generations + a.teacher_per_group
@@ -859,60 +861,48 @@ def draw(stream, a: Args, state: dict) -> tuple[list[dict], str]:
 
 def rollout(model, tok, stream, reward_fns, pool, a: Args, state, sampler=None, rank=0, world=1, tools=None):
     """In rounds: this rank's share of B prompts, G_s samples, G_t teacher completions each, scored; those to
-    train chosen from every rank's -> this rank's to train (in sampling order), metrics, all sampled."""
+    train chosen from every rank's -> this rank's rows to train (in sampling order), metrics, all sampled."""
     G_s = a.num_generations
-    generated = []
+    groups = []  # a prompt's G rows, as generate makes them, scored, its teacher's completions after them
     stats = {"time/generate": 0.0, "time/reward": 0.0}
     for rounds in range(1, a.max_gen_rounds + 1):
         drawn = draw(stream, a, state)[0][rank::world]  # whole groups per rank
         t0 = time.time()
-        texts = [prompt_text(tok, ex, a, tools) for ex in drawn]
-        temps = [ex.get("temperature", a.temperature) for ex in drawn]  # FORKER: a prompt's, set in draw (a
-        bad = [t for t in temps if not (finite32(t) and t > 0)]  # record's field: rewards get it as others)
-        if bad:
-            fail(f"a record's temperature must be a number above 0, not {bad[0]!r}")
-        episodes = [{"record": ex} for ex in drawn for _ in range(G_s)]  # (--tools, --env: generate's)
-        prompts, comps, truncated, logps, masks, calls = generate(model, tok, texts, G_s, a, sampler=sampler,
-                                                                  tools=tools, episodes=episodes, temps=temps)
+        rows = [dict(record=ex, order=(rounds - 1) * a.prompts_per_step + rank + i * world, is_teacher=False)
+                for i, ex in enumerate(drawn) for _ in range(G_s)]  # order: the group's place in the step's
+        generate(model, tok, rows, a, sampler=sampler, tools=tools)
         t1 = time.time()
-        texts = model_text(tok, comps, masks)
-        rewards, per_fn, _ = score(texts, [ex for ex in drawn for _ in range(G_s)], [len(c) for c in comps],
-                                   reward_fns, a, [{**e, "tool_calls": c} for e, c in zip(episodes, calls)])
-        for i, ex in enumerate(drawn):
-            rows = slice(i * G_s, (i + 1) * G_s)
+        rewards, per_fn, _ = score(rows, reward_fns, a)
+        for i, r in enumerate(rows):
+            r.update(reward=rewards[i].item(), rewards={k: v[i].item() for k, v in per_fn.items()})
+        for i, ex in enumerate(drawn):  # a teacher's row: its group's prompt, record and order; no log-probs
+            group = rows[i * G_s:(i + 1) * G_s]
             picks = random.sample(pool[ex["prompt"]], a.teacher_per_group) if pool else []
-            generated.append(dict(
-                prompt=ex["prompt"], answer=ex["answer"], prompt_ids=prompts[i], temperature=temps[i],
-                order=(rounds - 1) * a.prompts_per_step + rank + i * world,  # in the step's prompts
-                completions=comps[rows] + [ids for _, ids, _ in picks],
-                texts=texts[rows] + [text for text, _, _ in picks],
-                truncated=truncated[rows] + [False] * len(picks),
-                is_teacher=[False] * G_s + [True] * len(picks),  # teachers have no sampler log-probs:
-                sampler_logp=logps[rows] + [torch.full((len(ids),), math.nan) for _, ids, _ in picks],
-                tool_mask=masks[rows] + [torch.ones(len(ids)) for _, ids, _ in picks],
-                tool_calls=calls[rows] + [[]] * len(picks),
-                rewards=torch.cat([rewards[rows], torch.tensor([r for _, _, r in picks])]),
-                per_fn={k: v[rows] for k, v in per_fn.items()}))
+            groups.append(group + [dict(
+                group[0], completion=ids, text=text, reward=reward, truncated=False, is_teacher=True,
+                logp=torch.full((len(ids),), math.nan), tool_mask=torch.ones(len(ids)), tool_calls=[],
+                rewards=dict.fromkeys(per_fn, math.nan)) for text, ids, reward in picks])
         stats["time/generate"] += t1 - t0
         stats["time/reward"] += time.time() - t1
-        sampled = [(g["order"], g["prompt"], g["rewards"].tolist()) for g in generated]
+        sampled = [(g[0]["order"], g[0]["record"]["prompt"], [r["reward"] for r in g]) for g in groups]
         everyone = sorted(sum(all_gather(sampled), []))
         state["scored"] = [(prompt, r) for _, prompt, r in everyone[-a.prompts_per_step:]]  # this round's
         keep, enough, _ = select_groups(torch.tensor([r for _, _, r in everyone]), a)
         if enough:
             break
     chosen = {everyone[i][0] for i in keep.tolist()}
+    generated = sum(groups, [])
     stats.update(peak_memory(model.device, "generate"))  # since the last step's training: sampling, rewards
     stats.update({"groups/gen_rounds": rounds, "groups/kept": len(chosen), **group_metrics(generated, a)})
-    return [g for g in generated if g["order"] in chosen], stats, generated
+    return [r for r in generated if r["order"] in chosen], stats, generated
 
-def group_metrics(groups: list[dict], a: Args) -> dict:
-    """Rewards, lengths and accuracy (by `correct`, whatever trains) of every rank's completions."""
-    rows = sum(all_gather(sample_rows(groups, 0)), [])
+def group_metrics(mine: list[dict], a: Args) -> dict:
+    """Rewards, lengths and accuracy (by `correct`, whatever trains) of every rank's rows (whole groups)."""
+    rows = sum(all_gather(sample_rows(mine, 0)), [])
     students = [r for r in rows if not r["teacher"]]
     reward = torch.tensor([r["reward"] for r in rows], dtype=torch.float64)
     length = torch.tensor([r["length"] for r in students], dtype=torch.float64)
-    flat = sum(all_gather([bool(equal(g["rewards"])) for g in groups]), [])
+    flat = equal(reward.view(-1, group_size(a))).tolist()
     out = {"reward/mean": reward.mean().item(), "reward/std": reward.std().item(), "groups/equal_frac":
            statistics.mean(flat), "accuracy": statistics.mean(r["correct"] for r in students),
            "completion/tokens": length.sum().item(), "completion/mean_length": length.mean().item(),
@@ -927,36 +917,34 @@ def group_metrics(groups: list[dict], a: Args) -> dict:
     if a.tools or a.env:  # calls a completion; the share of completions that call, of calls that fail, time
         per = [len(r["tool_calls"]) for r in students]  # out; the model's turns an episode, the share done
         calls = [c for r in students for c in r["tool_calls"]] or [{}]  # ({}: no call, no error)
-        turns = [int((m[1:] > m[:-1]).sum()) + 1 for g in groups for m in g["tool_mask"][:a.num_generations]]
+        turns = [int((r["tool_mask"].diff() > 0).sum()) + 1 for r in mine if not r["is_teacher"]]
         out.update({"tools/calls": statistics.mean(per), "tools/call_frac": statistics.mean(map(bool, per))})
         out.update({f"tools/{k}s": statistics.mean(c.get(k, 0) for c in calls) for k in ("error", "timeout")})
         out["env/turns"] = statistics.mean(sum(all_gather(turns), []))
         out["env/done_frac"] = statistics.mean(any(c.get("done") for c in r["tool_calls"]) for r in students)
     return out
 
-def collate(groups: list[dict], pad_id: int, device) -> dict:
-    """Groups -> padded tensors, a row a completion (N = 0 on a rank that kept no group)."""
-    rows = [(g, i) for g in groups for i in range(len(g["completions"]))]
-    P = max((len(g["prompt_ids"]) for g, _ in rows), default=0)
-    C = max((len(g["completions"][i]) for g, i in rows), default=0)
+def collate(rows: list[dict], pad_id: int, device) -> dict:
+    """Rows (generate's, scored) -> padded tensors, a row a completion (N = 0 on a rank that kept none)."""
+    P = max((len(r["prompt_ids"]) for r in rows), default=0)
+    C = max((len(r["completion"]) for r in rows), default=0)
     ids = torch.full((len(rows), P + C), pad_id, dtype=torch.long)  # (N, P+C), prompts left-padded
     attn = torch.zeros(len(rows), P + C, dtype=torch.long)
     mask = torch.zeros(len(rows), C)  # (N, C)
     sampler_logp = torch.full((len(rows), C), math.nan)  # (N, C); NaN where unknown (teacher rows)
-    per_fn = [[float(v[i]) if i < len(v) else math.nan for v in g["per_fn"].values()] for g, i in rows]
-    for r, (g, i) in enumerate(rows):
-        prompt, comp = g["prompt_ids"], g["completions"][i]
-        ids[r, P - len(prompt):P + len(comp)] = torch.cat([prompt, comp])
-        attn[r, P - len(prompt):] = 1  # after-EOS padding stays attended: causal, masked out of the loss
-        mask[r, :len(comp)] = g["tool_mask"][i] if "tool_mask" in g else 1  # --tools: 0 on a tool's tokens
-        sampler_logp[r, :len(comp)] = g["sampler_logp"][i]
+    for i, r in enumerate(rows):
+        prompt, comp = r["prompt_ids"], r["completion"]
+        ids[i, P - len(prompt):P + len(comp)] = torch.cat([prompt, comp])
+        attn[i, P - len(prompt):] = 1  # after-EOS padding stays attended: causal, masked out of the loss
+        mask[i, :len(comp)] = r["tool_mask"]  # --tools: 0 on a tool's tokens
+        sampler_logp[i, :len(comp)] = r["logp"]
     batch = dict(input_ids=ids, attention_mask=attn, mask=mask, sampler_logp=sampler_logp,
-                 reward=torch.tensor([float(g["rewards"][i]) for g, i in rows]),  # (N,)
-                 per_fn=torch.tensor(per_fn or [[]])[:len(rows)],  # (N, K), (0, 0) with no row
-                 order=torch.tensor([g["order"] for g, _ in rows], dtype=torch.long),  # the group's place
-                 truncated=torch.tensor([bool(g["truncated"][i]) for g, i in rows], dtype=torch.bool),
-                 temperature=torch.tensor([[g.get("temperature", math.nan)] for g, _ in rows]),  # (N, 1)
-                 is_teacher=torch.tensor([bool(g["is_teacher"][i]) for g, i in rows], dtype=torch.bool))
+                 reward=torch.tensor([r["reward"] for r in rows]),  # (N,)
+                 per_fn=torch.tensor([[*r["rewards"].values()] for r in rows] or [[]])[:len(rows)],  # (N, K)
+                 order=torch.tensor([r["order"] for r in rows], dtype=torch.long),  # the group's place
+                 truncated=torch.tensor([r["truncated"] for r in rows], dtype=torch.bool),
+                 temperature=torch.tensor([[r["record"].get("temperature", math.nan)] for r in rows]),  # N, 1
+                 is_teacher=torch.tensor([r["is_teacher"] for r in rows], dtype=torch.bool))
     return {k: v.to(device) for k, v in batch.items()}
 
 # ----------------------------------------------------------------------------- log-probs: the step's inputs
@@ -1235,7 +1223,8 @@ def probe(a: Args):
         return torch.rand(G, 3, generator=gen).log()
     rows = dict(reward=torch.zeros(G), order=torch.zeros(G, dtype=torch.long),  # a group of equal rewards
                 mask=torch.ones(G, 3), truncated=torch.zeros(G, dtype=torch.bool),
-                is_teacher=torch.zeros(G, dtype=torch.bool), sampler_logp=made_up(), per_fn=made_up())
+                is_teacher=torch.zeros(G, dtype=torch.bool), sampler_logp=made_up(), per_fn=made_up(),
+                record=[{"prompt": "", "answer": ""}] * G)
     step = collections.defaultdict(made_up, rows)
     state = {}  # (a state of its own)
     made, _, words = step_terms(step, a, state)
@@ -1255,28 +1244,30 @@ def probe(a: Args):
         words["equal"] = f"as the run's state ({', '.join(state)}) has it; at the first step {words['equal']}"
     return set(step) - set(rows) - set(made), skip, {**words, **more}
 
-def prepare(model, ref_model, groups: list[dict], a: Args, state: dict | None):
+def prepare(model, ref_model, rows: list[dict], a: Args, state: dict | None):
     """Before the step's first update: this rank's rows with their step inputs and share of step_terms'
-    tensors (A_i in groups too, for samples.jsonl); the rows to train (see probe); the normalisers."""
+    tensors (A_i in each row too, for samples.jsonl); the rows to train (see probe); the normalisers."""
     device = next(model.parameters()).device
-    batch = collate(groups, model.generation_config.pad_token_id, device)
+    batch = collate(rows, model.generation_config.pad_token_id, device)
     reads, skip_flat, _ = probe(a)
     step_inputs(model, ref_model, batch, reads, a)
     s, mine = gather_step(batch)
+    records = sum(all_gather([(r["order"], r["record"]) for r in rows]), [])  # the rows' records, s's order
+    s["record"] = [record for _, record in sorted(records, key=lambda x: x[0])]
     made, stats, _ = step_terms(s, a, {} if state is None else state)  # None: a step on its own
     mask = made["loss_mask"]  # every rank's
     n_seqs, n_tokens = torch.stack([(mask.sum(-1) > 0).sum().float(), mask.sum()]).tolist()
     batch.update({k: v[mine, :batch["mask"].shape[1]].to(device) for k, v in made.items()})
-    for g, group_adv in zip(groups, made["row_adv"][mine, 0].split([len(g["completions"]) for g in groups])):
-        g["adv"] = group_adv
+    for r, adv in zip(rows, made["row_adv"][mine, 0].tolist()):
+        r["adv"] = adv
     trained = (batch["loss_mask"].sum(-1) > 0) & ~(made["flat"][mine, 0].to(device) & skip_flat)
     return batch, trained.nonzero()[:, 0].tolist(), n_seqs, n_tokens, stats
 
-def train_step(model, ref_model, opt, groups: list[dict], a: Args, state: dict | None = None) -> dict:
-    """num_iterations updates on a step's groups, by micro-batch -> the last update's metrics, all ranks'."""
+def train_step(model, ref_model, opt, rows: list[dict], a: Args, state: dict | None = None) -> dict:
+    """num_iterations updates on a step's rows, by micro-batch -> the last update's metrics, all ranks'."""
     params = [p for p in model.parameters() if p.requires_grad]
-    batch, rows, n_seqs, n_tokens, stats = prepare(model, ref_model, groups, a, state)
-    chunks = [rows[i:i + a.micro_batch_size] for i in range(0, len(rows), a.micro_batch_size)]
+    batch, trained, n_seqs, n_tokens, stats = prepare(model, ref_model, rows, a, state)
+    chunks = [trained[i:i + a.micro_batch_size] for i in range(0, len(trained), a.micro_batch_size)]
     mask, teacher = batch["loss_mask"], batch["is_teacher"][:, None].float()  # the pool's halves, one norm.
     parts = {"student": mask * (1 - teacher), "teacher": mask * teacher} if a.split_grads else {"all": mask}
     wanted = collections.defaultdict(lambda: torch.ones(1, 1))
@@ -1285,7 +1276,7 @@ def train_step(model, ref_model, opt, groups: list[dict], a: Args, state: dict |
         for p in params:
             p.grad = torch.zeros_like(p)
         grads = {name: [torch.zeros_like(p) for p in params] for name in parts if a.split_grads}
-        sums = {"loss": 0.0, "train/rows": len(rows)}
+        sums = {"loss": 0.0, "train/rows": len(trained)}
         tokens = {k: torch.full_like(mask, math.nan) for k in wanted}  # (N, C) each, NaN where not defined
         for idx in chunks:
             logp, entropy = policy_logps(model, batch, idx, a)
@@ -1360,12 +1351,10 @@ def evaluate(model, tok, examples: list[dict], a: Args, rank=0, world=1, sampler
         per_call = max(1, a.prompts_per_step // world * a.num_generations // n)  # the compiled sampler's rows
         counts = []
         for chunk in (mine[i:i + per_call] for i in range(0, len(mine), per_call)):
-            texts = [prompt_text(tok, ex, a, tools) for ex in chunk]
             rows = [{"record": ex} for ex in chunk for _ in range(n)]  # (--tools, --env: an episode each)
-            out = generate(model, tok, texts, n, a, sampler=sampler, tools=tools, episodes=rows, **kw)
-            texts = model_text(tok, out[1], out[4])
-            for j, ex in enumerate(chunk):
-                counts.append(sum(is_correct(t, ex["answer"]) for t in texts[j * n:(j + 1) * n]))
+            generate(model, tok, rows, a, sampler=sampler, tools=tools, **kw)
+            right = [is_correct(r["text"], r["record"]["answer"]) for r in rows]
+            counts += [sum(right[j:j + n]) for j in range(0, len(right), n)]
         return sum(all_gather(counts), [])
     k = a.eval_samples
     with torch.random.fork_rng([model.device] if model.device.type == "cuda" else []):  # the run's untouched
@@ -1477,13 +1466,12 @@ def open_log(a: Args, name: str, step: int):
     os.replace(path + ".tmp", path)
     return open(path, "a", buffering=1)
 
-def sample_rows(groups: list[dict], step: int) -> list[dict]:
-    return [{"step": step, "prompt": g["prompt"], "completion": text, "teacher": teacher,
-             "rewards": None if teacher else {k: v[i].item() for k, v in g["per_fn"].items()},
-             "reward": g["rewards"][i].item(), "adv": g["adv"][i].item() if "adv" in g else None,
-             "length": len(g["completions"][i]), "truncated": bool(g["truncated"][i]),
-             "tool_calls": g["tool_calls"][i], "correct": is_correct(text, g["answer"])}
-            for g in groups for i, (text, teacher) in enumerate(zip(g["texts"], g["is_teacher"]))]
+def sample_rows(rows: list[dict], step: int) -> list[dict]:
+    return [{"step": step, "prompt": r["record"]["prompt"], "completion": r["text"], "reward": r["reward"],
+             "teacher": r["is_teacher"], "rewards": None if r["is_teacher"] else r["rewards"],
+             "adv": r.get("adv"), "length": len(r["completion"]), "truncated": bool(r["truncated"]),
+             "tool_calls": r["tool_calls"],
+             "correct": is_correct(r["text"], r["record"]["answer"])} for r in rows]
 
 STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT)
 
@@ -1557,7 +1545,8 @@ def start(a: Args):
             fail(f"--resume: the saved run ran on {len(state['rng'])} processes, this one on {world}")
     reward_fns = build_rewards(a)
     train, evals = load_data(a, reward_fns)
-    score([train[0]["answer"], ""], [train[0]] * 2, [1, 1], [] if a.env else reward_fns, a)  # fails here
+    score([dict(record=train[0], text=t, completion=[0]) for t in (train[0]["answer"], "")],  # fails here
+          [] if a.env else reward_fns, a)
     torch.manual_seed(a.seed)  # the same LoRA init on every rank
     model, tok, ref_model = load_model(a, device, ckpt if a.resume else None)
     pool = load_teacher_pool(a, train, tok) if a.teacher_pool else None
@@ -1614,9 +1603,8 @@ def end_step(run, a: Args, step: int, m: dict, generated: list[dict]) -> bool:
     rng = {"torch": torch.get_rng_state(), "cuda": cuda, "python": random.getstate()}  # all a step draws from
     run.done = {**copy.deepcopy(run.state), "rng": all_gather(rng)}  # (a term may change it in place)
     stopping = bool(all_sum(torch.tensor([float(run.stop)], device=run.device)).item())
-    firsts = sum(all_gather([(g["order"], sample_rows([g], step)) for g in generated[:a.log_samples]]), [])
-    firsts.sort(key=lambda x: x[0])  # --log-samples K: the step's first K groups, of every rank's
-    samples = sum((rows for _, rows in firsts[:a.log_samples]), [])
+    firsts = sum(all_gather([r for r in generated if r["order"] < a.log_samples]), [])  # --log-samples K:
+    samples = sample_rows(sorted(firsts, key=lambda r: r["order"]), step)  # the step's first K groups
     if run.rank != 0:
         return stopping
     m = {"step": step, **m, "tokens_per_second": m["completion/tokens"] / (time.time() - run.t0)}

@@ -2699,7 +2699,8 @@ def test_zero_variance_skip_leaves_the_gradient_unchanged(loaded, agg):
 
 def adv_rows(groups, a):
     """Every row's advantage, GRPO's formula (group_advantages, tested by hand above) on each group's rewards."""
-    return torch.cat([grpo.group_advantages(g["rewards"][None], a.scale, a.std_eps)[0][0] for g in groups])
+    rewards = torch.tensor([r["reward"] for r in groups])
+    return grpo.group_advantages(rewards.view(len({r["order"] for r in groups}), -1), a.scale, a.std_eps)[0].flatten()
 
 
 def hand_update(model, batch, agg, T, beta=0.0, rows=None):

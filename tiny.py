@@ -80,27 +80,25 @@ def make_tiny(path, layers=2, hidden=64, seed=0, vocab=0, heads=4, kv_heads=2, i
 
 
 def fixed_groups(tok, rewards, a, seed=0, teacher_per_group=0):
-    """Groups as grpo.rollout() makes them, with seeded random completions instead of samples: rewards (B, G)
+    """Rows as grpo.rollout() makes them, with seeded random completions instead of samples: rewards (B, G)
     given (grpo.train_step makes the advantages). Last teacher_per_group rows of each group are marked teacher."""
     import random
     import grpo
     rng = random.Random(seed)
-    groups = []
+    rows = []
     for b, rs in enumerate(torch.as_tensor(rewards, dtype=torch.float32)):
-        text = grpo.chat_prompt(tok, f"What is {b} + {b * 7 % 10}?" + " pad" * (b % 3), a.system_prompt)
+        record = {"prompt": f"What is {b} + {b * 7 % 10}?" + " pad" * (b % 3), "answer": "0"}
+        text = grpo.chat_prompt(tok, record["prompt"], a.system_prompt)
         prompt_ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
-        comps, truncated = [], []
-        for _ in rs:
+        for i, r in enumerate(rs.tolist()):
             n = rng.randint(1, a.max_new_tokens)
             ids = [rng.randrange(4, len(tok)) for _ in range(n)] + [tok.eos_token_id]
-            comps.append(torch.tensor(ids[:a.max_new_tokens]))
-            truncated.append(len(ids) > a.max_new_tokens)
-        G = len(rs)
-        groups.append(dict(prompt_ids=prompt_ids, completions=comps, truncated=truncated, rewards=rs,
-                           texts=[""] * G, per_fn={}, answer="0", sampler_logp=[torch.full((len(c),), float("nan"))
-                                                                                 for c in comps],
-                           is_teacher=[i >= G - teacher_per_group for i in range(G)], order=b))
-    return groups
+            comp = torch.tensor(ids[:a.max_new_tokens])
+            rows.append(dict(record=record, order=b, prompt_ids=prompt_ids, completion=comp, text="",
+                             truncated=len(ids) > a.max_new_tokens, reward=r, rewards={}, tool_calls=[],
+                             logp=torch.full((len(comp),), float("nan")), tool_mask=torch.ones(len(comp)),
+                             is_teacher=i >= len(rs) - teacher_per_group))
+    return rows
 
 
 CONFIGS = [("token-mean", False), ("seq-mean-token-sum-norm", False), ("seq-mean-token-mean", True)]
@@ -123,7 +121,8 @@ def ddp_updates(model_dir, out):
         torch.manual_seed(0)
         model, tok, _ = grpo.load_model(a, device)
         rewards = [[1, 0, 0, 1], [0, 0, 0, 0], [0, 0.5, 1, 1], [2, 1, 0, 1], [1, 1, 1, 1], [0, 3, 0, 0]]
-        groups = fixed_groups(tok, rewards, a, seed=1, teacher_per_group=2 if split else 0)[rank::world]
+        rows = fixed_groups(tok, rewards, a, seed=1, teacher_per_group=2 if split else 0)
+        groups = [r for r in rows if r["order"] % world == rank]  # whole groups a rank
         params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         before = {n: p.detach().clone() for n, p in params.items()}
         m = grpo.train_step(model, None, torch.optim.SGD(params.values(), lr=1.0), groups, a)
