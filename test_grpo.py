@@ -4790,6 +4790,73 @@ def test_resume_refuses_what_it_cannot_continue_in_one_line(tiny_dir, tmp_path, 
         assert capsys.readouterr().out == f"grpo: the run in {out} is at step 2: raise --max-steps to go on\n"
 
 
+def test_a_term_that_remembers_per_prompt_reads_each_row_s_record_and_resumes_bit_for_bit(tiny_dir, tmp_path,
+                                                                                          monkeypatch):
+    """A row carries its record to the step's math: a per-prompt running baseline (A = R - b_p once prompt p
+    has history, b_p the mean reward of its last trained group; Dr. GRPO's A before), forked into step_terms
+    alone, keyed by s["record"] (every rank's rows' records, in s's order). Each row's A in samples.jsonl is
+    checked by hand from the samples' rewards; 4 steps straight == 2, stop, --resume to 4, bit for bit."""
+    step_terms, G = grpo.step_terms, 4
+    def per_prompt_baseline(s, a, state):
+        made, stats, words = step_terms(s, a, state)
+        seen = state.setdefault("baseline", {})  # prompt -> b_p: the run's state, saved with it
+        prompts = [r["prompt"] for r in s["record"]]
+        base = torch.tensor([seen.get(p, math.nan) for p in prompts])[:, None]
+        adv = torch.where(base.isnan(), made["row_adv"], s["reward"][:, None] - base)
+        made.update(adv=adv, row_adv=adv, flat=made["flat"] & base.isnan())
+        seen.update(zip(prompts[::G], s["reward"].view(-1, G).mean(1).tolist()))
+        return made, stats, words
+    monkeypatch.setattr(grpo, "step_terms", per_prompt_baseline)
+    data = write(tmp_path / "d.jsonl", [json.dumps({"prompt": f"What is {i} + {i}?", "answer": str(2 * i)})
+                                        for i in range(3)])
+    common = ["--algo", "drgrpo", "--model", tiny_dir, "--dataset", data, "--log-samples", "2"] + NO_EVAL \
+        + reward_file(tmp_path)
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    main(common + ["--output-dir", straight, "--max-steps", "4"])
+    main(common + ["--output-dir", split, "--max-steps", "2"])
+    main(common + ["--output-dir", split, "--max-steps", "4", "--resume"])
+    a, b = trained(straight), trained(split)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    samples = [json.loads(line) for line in open(straight + "/samples.jsonl")]
+    assert samples == [json.loads(line) for line in open(split + "/samples.jsonl")]
+    history, repeated = {}, 0
+    for step in range(1, 5):
+        rows = [r for r in samples if r["step"] == step]
+        for i in range(0, len(rows), G):
+            group, prompt = rows[i:i + G], rows[i]["prompt"]
+            mean = sum(r["reward"] for r in group) / G
+            for r in group:  # Dr. GRPO's A without history, R - b_p with it
+                assert r["adv"] == pytest.approx(r["reward"] - history.get(prompt, mean), abs=1e-6)
+            repeated += prompt in history and mean != history[prompt]
+            history[prompt] = mean
+    assert repeated >= 2  # (b_p, not the group's mean, made A: the check could tell them apart)
+
+
+def test_the_step_s_records_are_every_rank_s_in_the_step_s_order(loaded, monkeypatch):
+    """s["record"][i] is the record of s's row i, whatever order a rank holds its rows in and whichever rank
+    sampled it: here this rank holds groups 2 then 0, a second rank's groups 1 and 3 come back from the gathers."""
+    a, model, tok = loaded
+    rows = tiny.fixed_groups(tok, [[0, 1, 0, 1], [1, 0, 0, 0], [0, 0, 1, 1]], a)
+    rows = [r for r in rows if r["order"] == 2] + [r for r in rows if r["order"] == 0]
+    real, step_terms, seen = grpo.all_gather, grpo.step_terms, []
+    def two_ranks(obj):  # the other rank: this one's rows as groups 1 and 3, its records its own
+        if isinstance(obj, dict) and "order" in obj:
+            return [obj, {**obj, "order": obj["order"] + 1}]
+        if isinstance(obj, list) and obj and isinstance(obj[0], tuple) and isinstance(obj[0][1], dict):
+            return [obj, [(o + 1, {"prompt": f"other {o + 1}", "answer": ""}) for o, _ in obj]]
+        return real(obj)
+    def seeing(s, a, state):
+        seen.append(s)
+        return step_terms(s, a, state)
+    monkeypatch.setattr(grpo, "all_gather", two_ranks)
+    monkeypatch.setattr(grpo, "step_terms", seeing)
+    grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), rows, a)
+    want = {0: rows[4]["record"]["prompt"], 1: "other 1", 2: rows[0]["record"]["prompt"], 3: "other 3"}
+    s = seen[-1]  # (probe's calls before it: made-up rows)
+    assert s["order"].tolist() == [0] * 4 + [1] * 4 + [2] * 4 + [3] * 4
+    assert [r["prompt"] for r in s["record"]] == [want[o] for o in s["order"].tolist()]
+
+
 def test_no_silent_overwrite(tiny_dir, tmp_path):
     out = tmp_path / "out"
     argv = ["--model", tiny_dir, "--max-steps", "1", "--output-dir", str(out)] + TINY + ["--eval-every", "0"]
