@@ -1017,8 +1017,9 @@ def soft_weights(stds: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def step_terms(s: dict, a: Args, state: dict):
     """The reward-, advantage- and mask-level terms on every rank's rows as one process has them (a quantile
-    sees them all). s: collate's tensors (reward (M,), mask (M, C), ...), the step inputs a term reads;
-    state: the run's, a term's memory. -> token_objective's tensors by name, metrics, --dry-run's words.
+    sees them all). s: collate's tensors (reward (M,), mask (M, C), ...), the step inputs a term reads, record
+    (a row's: memory per prompt keys by it); state: the run's, a term's memory. -> token_objective's tensors
+    by name, metrics, --dry-run's words.
     FORKER: a term, or a token set or weight (a name returned), is a line here, its words the next."""
     R, mask, stats, G = s["reward"], s["mask"], {}, group_size(a)
     words = {"R": "", "m": "1 up to and including the first EOS"}
@@ -1252,8 +1253,8 @@ def prepare(model, ref_model, rows: list[dict], a: Args, state: dict | None):
     reads, skip_flat, _ = probe(a)
     step_inputs(model, ref_model, batch, reads, a)
     s, mine = gather_step(batch)
-    records = sum(all_gather([(r["order"], r["record"]) for r in rows]), [])  # the rows' records, s's order
-    s["record"] = [record for _, record in sorted(records, key=lambda x: x[0])]
+    records = sum(all_gather([(r["order"], r["record"]) for r in rows]), [])  # every rank's, in s's order
+    s["record"] = [record for _, record in sorted(records, key=lambda x: x[0])]  # (stable: a group's rows)
     made, stats, _ = step_terms(s, a, {} if state is None else state)  # None: a step on its own
     mask = made["loss_mask"]  # every rank's
     n_seqs, n_tokens = torch.stack([(mask.sum(-1) > 0).sum().float(), mask.sum()]).tolist()
