@@ -1639,7 +1639,7 @@ def describe(a: Args) -> str:
     """--dry-run: the loss the flags optimise, each term's words (probe: no model or data), then the flags."""
     w = probe(a)[2]
     G = group_size(a)
-    shaping = score([], [], [], [], a)[2]  # what is added to the rewards' sum
+    shaping = score([], [], a)[2]  # what is added to the rewards' sum
     reward = " + ".join(filter(None, [a.rewards.replace(",", " + "), a.reward_fn])) + shaping
     norm = aggregate_loss(torch.ones(1, 1), torch.ones(1, 1), a.loss_agg, a.max_new_tokens)[1]
     split = edit_source_grads({}, [], a)[1]
