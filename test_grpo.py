@@ -556,12 +556,12 @@ def test_entropy_bonus_against_verl(agg, value):
 TOOL_MASK = [[1, 1, 0, 0, 1], [1, 0, 1, 1, 1], [1, 0, 0, 1, 1], [1, 1, 1, 1, 1]]
 
 
-def tool_groups():
-    """peer_inputs' completion lengths (5, 3, 4, 1) as one group, each row's tool mask cut from TOOL_MASK."""
+def tool_rows():
+    """peer_inputs' completion lengths (5, 3, 4, 1): one group's rows, each row's tool mask cut from TOOL_MASK."""
     comps = [torch.arange(4, 4 + n) for n in (5, 3, 4, 1)]
-    return [dict(prompt_ids=torch.tensor([1, 2]), completions=comps, truncated=[False] * 4, order=0, per_fn={},
-                 is_teacher=[False] * 4, rewards=torch.zeros(4), sampler_logp=[torch.zeros(len(c)) for c in comps],
-                 tool_mask=[torch.tensor(TOOL_MASK[i][:len(c)], dtype=torch.float) for i, c in enumerate(comps)])]
+    return [dict(prompt_ids=torch.tensor([1, 2]), completion=c, truncated=False, order=0, rewards={},
+                 is_teacher=False, reward=0.0, logp=torch.zeros(len(c)), record={"prompt": "", "answer": ""},
+                 tool_mask=torch.tensor(TOOL_MASK[i][:len(c)], dtype=torch.float)) for i, c in enumerate(comps)]
 
 
 @pytest.mark.parametrize("kw", [dict(surrogate="clip", beta=0.04, kl="k3", entropy_coef=0.01),
@@ -576,7 +576,7 @@ def test_tool_tokens_get_no_gradient_and_leave_the_loss_as_it_is(kw, agg):
     """collate's mask is 0 on tool tokens (each row's tool_mask), and through it no term reaches them: for every
     surrogate, KL estimator, the entropy bonus, IS weights and aggregation, the gradient there (log-probs and
     entropy) is exactly 0, and other values there (pi, pi_old, pi_ref, the sampler's, H: +3) change no loss."""
-    b = grpo.collate(tool_groups(), 0, "cpu")
+    b = grpo.collate(tool_rows(), 0, "cpu")
     x = peer_inputs()
     tool = (x["mask"] == 1) & (torch.tensor(TOOL_MASK) == 0)  # inside a completion, a tool's
     assert torch.equal(b["mask"].double(), x["mask"] * torch.tensor(TOOL_MASK)) and tool.sum() == 5
@@ -607,7 +607,7 @@ def test_tool_masked_loss_and_gradient_against_trl(kw, value, grad):
     """TRL 1.16.0 GRPOTrainer._compute_loss on peer_inputs with tool_mask = TOOL_MASK (its loss mask: completion_mask
     x tool_mask; num_items_in_batch counts it too), its own code run on them: the loss and d loss / d log pi."""
     x = peer_inputs()
-    x["mask"] = x["loss_mask"] = grpo.collate(tool_groups(), 0, "cpu")["mask"].double()
+    x["mask"] = x["loss_mask"] = grpo.collate(tool_rows(), 0, "cpu")["mask"].double()
     loss, g, _ = objective(x, **kw)
     assert loss == pytest.approx(value, abs=1e-12) and near(g, grad)
 
