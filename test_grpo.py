@@ -1083,12 +1083,14 @@ def test_evaluate_reports_greedy_mean_and_pass_at_k(loaded, monkeypatch):
     a = replace(a, eval_samples=4)
     right = {"p0": 0, "p1": 1, "p2": 3}  # right sampled answers per prompt; greedy is right on p2 only
 
-    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None, episodes=None, temps=None):
-        prompts = [next(p for p in right if p in t) for t in texts]
-        answers = [("7" if greedy and p == "p2" else "0") if greedy else ("7" if i < right[p] else "0")
-                   for p in prompts for i in range(n)]
-        comps = [torch.tensor(tok(x, add_special_tokens=False).input_ids) for x in answers]
-        return None, comps, None, None, [torch.ones(len(c)) for c in comps], None
+    def fake_generate(model, tok, rows, a, greedy=False, sampler=None, tools=None):
+        for j, r in enumerate(rows):
+            p = r["record"]["prompt"]
+            i = sum(q["record"] is r["record"] for q in rows[:j])  # the row's place in its prompt's
+            answer = ("7" if greedy and p == "p2" else "0") if greedy else ("7" if i < right[p] else "0")
+            r["completion"] = torch.tensor(tok(answer, add_special_tokens=False).input_ids)
+            r["text"] = tok.decode(r["completion"], skip_special_tokens=True)
+        return rows
     monkeypatch.setattr(grpo, "generate", fake_generate)
     got = grpo.evaluate(model, tok, [{"prompt": p, "answer": "7"} for p in right], a, 0, 1)
     pass2 = (0 + (1 - 3 / 6) + 1) / 3  # C(3,2)/C(4,2) = 3/6 pairs miss the one right answer; 3 right: never
