@@ -1359,13 +1359,18 @@ def test_format_reward(text, want):
     assert R.r1_format(text, "3") == R.REWARDS["format"](text, "3") == want
 
 
+def text_rows(texts, records, lengths):
+    """Rows as score reads them: a completion's text, its record, and a completion of `length` tokens."""
+    return [dict(record=ex, text=t, completion=[0] * n) for t, ex, n in zip(texts, records, lengths)]
+
+
 def test_the_registry_and_the_weights_reach_the_reward():
     """--rewards names map to the functions README describes, and each is weighted: R = sum_k w_k r_k."""
     assert (R.REWARDS["correct"]("\\boxed{2}", "3"), R.REWARDS["correct_pm1"]("\\boxed{2}", "3")) == (0.0, -1.0)
     fns = grpo.build_rewards(grpo.parse_args(["--rewards", "correct:0.5,correct_pm1:2,format:0.25"]))
     text = "<think>1+2</think><answer>3</answer>"
-    total, per_fn, _ = grpo.score([text, "\\boxed{4}"], [{"prompt": "1+2?", "answer": "3"}] * 2, [9, 5], fns,
-                               grpo.parse_args([]))
+    total, per_fn, _ = grpo.score(text_rows([text, "\\boxed{4}"], [{"prompt": "1+2?", "answer": "3"}] * 2, [9, 5]),
+                                  fns, grpo.parse_args([]))
     assert {k: v.tolist() for k, v in per_fn.items()} == {"correct": [1, 0], "correct_pm1": [1, -1], "format": [1, 0]}
     assert total.tolist() == [0.5 + 2 + 0.25, -2.0]
 
@@ -1384,7 +1389,7 @@ def test_cosine_reward_by_hand_and_against_trl():
     assert R.cosine(wrong, "3", length=10 ** 6, max_length=100) == -0.5  # past L_max: L_max's value
     assert R.REWARDS["cosine"] is R.cosine and R.cosine.reads_answer
     fns = grpo.build_rewards(grpo.parse_args(["--rewards", "cosine", "--max-new-tokens", "100"]))  # T is L_max
-    total, _, _ = grpo.score([right, wrong], [{"prompt": "1+2?", "answer": "3"}] * 2, [50, 100], fns,
+    total, _, _ = grpo.score(text_rows([right, wrong], [{"prompt": "1+2?", "answer": "3"}] * 2, [50, 100]), fns,
                              grpo.parse_args([]))
     assert total.tolist() == pytest.approx([0.75, -0.5])
 
@@ -1412,7 +1417,7 @@ def test_repetition_reward_s_parameters_each_change_its_value_by_hand():
     assert R.repetition("x y x y x y", "", max_penalty=-0.5) == pytest.approx(-0.5 * (1 - 2 / 4))
     assert R.repetition("x y x y x y", "", ngram_size=2, max_penalty=-2.0) == pytest.approx(-2.0 * (1 - 2 / 5))
     fns = grpo.build_rewards(grpo.parse_args(["--rewards", "repetition:2"]))  # the registry's, weighted
-    total, _, _ = grpo.score(["a b a b a", "x y x y x y"], [{"prompt": "p", "answer": ""}] * 2, [5, 6], fns,
+    total, _, _ = grpo.score(text_rows(["a b a b a", "x y x y x y"], [{"prompt": "p", "answer": ""}] * 2, [5, 6]), fns,
                              grpo.parse_args([]))
     assert total.tolist() == pytest.approx([-2 * (1 - 2 / 3), -2 * (1 - 2 / 4)])
     assert R.cosine("so \\boxed{3}", "3", length=128) == pytest.approx(0.75)  # cosine's own L_max: 256, half way
@@ -1455,7 +1460,7 @@ def test_reward_functions_get_the_record_s_fields_and_the_length(tmp_path):
     fns = [("all", lambda c, ans, **kw: seen.append(("all", ans, kw)) or 1.0, 1.0),
            ("some", lambda c, ans, prompt, length, **kw: seen.append(("some", ans, prompt)) or length / 10, 1.0)]
     ex = {"prompt": "Write f.", "answer": "", "tests": ["assert f() == 1"]}
-    total, _, _ = grpo.score(["def f(): return 1"], [ex], [5], fns, a)
+    total, _, _ = grpo.score(text_rows(["def f(): return 1"], [ex], [5]), fns, a)
     assert total.item() == 1.5
     assert seen == [("all", "", {"prompt": "Write f.", "tests": ["assert f() == 1"], "length": 5}),
                     ("some", "", "Write f.")]
@@ -1463,9 +1468,9 @@ def test_reward_functions_get_the_record_s_fields_and_the_length(tmp_path):
     assert grpo.load_examples(write(tmp_path / "d.jsonl", [json.dumps(ex)]), "train", False, fns, {"length": 0}) == [ex]
     only = [("only", lambda c, ans, *, tests, **kw: float(len(tests)), 1.0)]  # keyword-only, no default: the record's
     assert grpo.load_examples(write(tmp_path / "d.jsonl", [json.dumps(ex)]), "train", False, only) == [ex]
-    assert grpo.score(["x"], [ex], [1], only, a)[0].item() == 1.0
+    assert grpo.score(text_rows(["x"], [ex], [1]), only, a)[0].item() == 1.0
     with pytest.raises(SystemExit, match="reward 'none' raised TypeError: .*unexpected keyword argument 'prompt'"):
-        grpo.score(["x"], [ex], [1], [("none", lambda c, ans: 3.0, 1.0)], a)
+        grpo.score(text_rows(["x"], [ex], [1]), [("none", lambda c, ans: 3.0, 1.0)], a)
 
 
 @pytest.mark.parametrize("line, says", [
@@ -1502,7 +1507,7 @@ def test_a_record_field_never_sets_a_reward_s_own_parameter(tmp_path, rewards, f
     data = write(tmp_path / "d.jsonl", ['{"prompt": "q", "answer": "1", "level": 2}',
                                         json.dumps({"prompt": "q", "answer": "1", others[field]: 5})])
     examples = grpo.load_examples(data, "train", False, fns)
-    total, _, _ = grpo.score(["a a a a a a"] * 2, examples, [20, 20], fns, grpo.parse_args([]))
+    total, _, _ = grpo.score(text_rows(["a a a a a a"] * 2, examples, [20, 20]), fns, grpo.parse_args([]))
     want = {"cosine": [-0.75, -0.75], "repetition": [-0.75, -0.75], "mine": [2 + 40, 40]}[rewards]
     assert total.tolist() == pytest.approx(want)  # cosine at T = 40: 20 tokens is half way; 4 trigrams, 1 unique
 
@@ -1529,7 +1534,7 @@ def test_custom_reward_alone_unless_rewards_given(tmp_path):
     a = grpo.parse_args(["--reward-fn", f"{tmp_path}/rw.py:length", "--rewards", "correct: 1, format :0.5"])
     fns = grpo.build_rewards(a)  # spaces around the names and weights are fine
     assert [(n, w) for n, _, w in fns] == [("correct", 1.0), ("format", 0.5), ("length", 1.0)]
-    total, per_fn, _ = grpo.score(["\\boxed{3} xx"], [{"prompt": "1+2?", "answer": "3"}], [5], fns, a)
+    total, per_fn, _ = grpo.score(text_rows(["\\boxed{3} xx"], [{"prompt": "1+2?", "answer": "3"}], [5]), fns, a)
     assert total.item() == pytest.approx(1.0 + 0 + 1.2) and per_fn["length"].item() == pytest.approx(1.2)
 
 
@@ -1543,7 +1548,7 @@ def test_a_reward_that_raises_or_returns_no_finite_number_stops_the_run_named(va
     """float32 is the step's dtype: 3.5e38 is finite in Python and inf there."""
     fns = [("r", eval(f"lambda c, ans, **kw: {value}"), 1.0)]
     with pytest.raises(SystemExit, match=says):
-        grpo.score(["x"], [{"prompt": "p", "answer": "1"}], [1], fns, grpo.parse_args([]))
+        grpo.score(text_rows(["x"], [{"prompt": "p", "answer": "1"}], [1]), fns, grpo.parse_args([]))
 
 
 def test_rewards_that_overflow_float32_in_the_advantages_are_refused():
@@ -1649,7 +1654,7 @@ def test_a_reward_model_is_loaded_as_the_policy_and_frozen(tmp_path, monkeypatch
     scores = {}
     for extra in ([], ["--dtype", "bf16"], ["--dtype", "bf16", "--load-in-4bit"]):
         fns = grpo.build_rewards(grpo.parse_args(["--reward-model", rm, "--rewards", "model"] + extra))
-        scores[len(extra)] = grpo.score(texts, records, [3, 9], fns, grpo.parse_args([]))[1]["model"]
+        scores[len(extra)] = grpo.score(text_rows(texts, records, [3, 9]), fns, grpo.parse_args([]))[1]["model"]
         model = loaded[-1]
         assert not model.training and not any(p.requires_grad for p in model.parameters())
         assert model.device.type == "cpu" and model.dtype == (torch.bfloat16 if extra else torch.float32)
