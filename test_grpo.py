@@ -2229,13 +2229,15 @@ def test_a_number_answer_is_the_shortest_text_that_reads_back_in_its_own_precisi
                                                str(tmp_path / "f32.parquet")]))
     boxed = [f"so \\boxed{{{x}}}" for x in ("0.00005", "0.1", "2.5", "10,000,000,000,000,000", "3", ".3")]
     fns = grpo.build_rewards(grpo.parse_args(["--rewards", "correct"]))
-    assert grpo.score(boxed, evals, [5] * 6, fns, grpo.parse_args([]))[0].tolist() == [1.0] * 6
+    assert grpo.score(text_rows(boxed, evals, [5] * 6), fns, grpo.parse_args([]))[0].tolist() == [1.0] * 6
     a, model, tok = loaded
 
-    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None, episodes=None, temps=None):  # each prompt's boxed answer
-        asked = [next(i for i in range(6) if f"q{i}<" in t) for t in texts]  # the prompt ends 'q3<|im_end|>'
-        comps = [torch.tensor(tok(boxed[i], add_special_tokens=False).input_ids) for i in asked for _ in range(n)]
-        return None, comps, None, None, [torch.ones(len(c)) for c in comps], None
+    def fake_generate(model, tok, rows, a, greedy=False, sampler=None, tools=None):  # each prompt's boxed answer
+        for r in rows:
+            ids = tok(boxed[int(r["record"]["prompt"][1:])], add_special_tokens=False).input_ids  # prompt q3: 3
+            r["completion"] = torch.tensor(ids)
+            r["text"] = tok.decode(r["completion"], skip_special_tokens=True)
+        return rows
     monkeypatch.setattr(grpo, "generate", fake_generate)
     assert grpo.evaluate(model, tok, evals, replace(a, eval_samples=0), 0, 1)["eval/accuracy"] == 1.0
 
