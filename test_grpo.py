@@ -2481,10 +2481,10 @@ def test_sampling_ignores_the_model_s_own_generation_defaults(tmp_path):
     from transformers import GenerationConfig
     GenerationConfig(do_sample=True, suppress_tokens=[i for i in range(260) if i != 20], repetition_penalty=3.0,
                      eos_token_id=2).save_pretrained(path)
-    a = grpo.parse_args(["--model", path, "--max-new-tokens", "8"])
+    a = grpo.parse_args(["--model", path, "--max-new-tokens", "8", "--system-prompt", ""])
     model, tok, _ = grpo.load_model(a, torch.device("cpu"))
-    _, comps, _, _ = grpo.generate(model, tok, [grpo.chat_prompt(tok, "1+1?", "")], 8, a)[:4]
-    assert len({tuple(c.tolist()) for c in comps}) > 1
+    rows = grpo.generate(model, tok, [{"record": {"prompt": "1+1?", "answer": ""}} for _ in range(8)], a)
+    assert len({tuple(r["completion"].tolist()) for r in rows}) > 1
     assert model.generation_config.eos_token_id == [tok.eos_token_id]
 
 
@@ -2498,12 +2498,12 @@ def test_every_eos_id_of_the_model_ends_a_completion(eos_dir):
     eos = GenerationConfig.from_pretrained(eos_dir).eos_token_id
     assert model.generation_config.eos_token_id == sorted(eos) and len(eos) == 22
     torch.manual_seed(0)
-    texts = [grpo.chat_prompt(tok, t, a.system_prompt) for t in TEXTS]
-    _, comps, truncated, logps = grpo.generate(model, tok, texts, 8, a)[:4]
-    for c, cut, lp in zip(comps, truncated, logps):
+    rows = grpo.generate(model, tok, [{"record": {"prompt": t, "answer": ""}} for t in TEXTS for _ in range(8)], a)
+    for r in rows:
+        c, cut, lp = r["completion"], r["truncated"], r["logp"]
         ends = [i for i, t in enumerate(c.tolist()) if t in eos]
         assert ends == ([] if cut else [len(c) - 1]) and (len(c) == 12 or not cut) and len(lp) == len(c)
-    ended_by = {c[-1].item() for c, cut in zip(comps, truncated) if not cut}
+    ended_by = {r["completion"][-1].item() for r in rows if not r["truncated"]}
     assert len(ended_by - {tok.eos_token_id}) >= 2  # the model's other EOS ids end some
 
 
