@@ -2597,7 +2597,7 @@ def test_a_tensor_step_terms_returns_reaches_token_objective_by_name_and_is_no_i
     assert grpo.probe(a)[0] == set()  # drgrpo reads no input; "w" is written
     groups = tiny.fixed_groups(tok, [[0, 1, 0, 1], [1, 0, 0, 1]], a)
     grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), groups, a)
-    C = max(len(c) for g in groups for c in g["completions"])
+    C = max(len(r["completion"]) for r in groups)
     assert torch.equal(torch.cat(seen), 1 + torch.arange(8 * C, dtype=torch.float).view(8, C))  # micro-batches 3, 3, 2
 
 
@@ -2616,7 +2616,7 @@ def test_the_step_s_statistics_see_every_rank_s_trained_tokens_as_one_process(lo
     monkeypatch.setattr(grpo, "step_stats", with_a_quantile)
     m = grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), groups, a)
     d = seen[0]
-    lengths = [len(c) for g in groups for c in g["completions"]]
+    lengths = [len(r["completion"]) for r in groups]
     want = torch.tensor([[t < n and i < 4 for t in range(max(lengths))] for i, n in enumerate(lengths)])
     assert torch.equal(d["loss/ratio"].isfinite(), want) and torch.equal(d["order"], torch.tensor([0] * 4 + [1] * 4))
     assert m["loss/ratio_q50"] == 1.0 and m["loss/ratio"] == 1.0  # one update: r = 1 on every trained token
@@ -2627,8 +2627,8 @@ def test_the_step_s_statistics_see_every_rank_s_trained_tokens_as_one_process(lo
             other["sampler/logp_gap"] = torch.where(other["sampler/logp_gap"].isfinite(), 7.0, math.nan)
             return [obj, other]
         return real(obj)
-    for g in groups:  # the sampler's log-probs, known: the gap is defined
-        g["sampler_logp"] = [torch.full((len(c),), -3.0) for c in g["completions"]]
+    for r in groups:  # the sampler's log-probs, known: the gap is defined
+        r["logp"] = torch.full((len(r["completion"]),), -3.0)
     monkeypatch.setattr(grpo, "all_gather", two_ranks)
     m = grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), groups, a)
     assert seen[-1]["loss/ratio"].shape[0] == 16 and m["sampler/logp_gap_max"] == 7.0  # the other rank's worst
@@ -2640,8 +2640,8 @@ def test_a_rank_with_no_row_to_train_leaves_the_step_s_metrics_to_the_others(loa
     gather of the step's sums gets a second, empty rank's beside this one's."""
     a, model, tok = loaded
     groups = tiny.fixed_groups(tok, [[0, 1, 0, 1], [1, 0, 0, 0]], a)
-    for g in groups:  # the sampler's log-probs, known
-        g["sampler_logp"] = [torch.full((len(c),), -3.0) for c in g["completions"]]
+    for r in groups:  # the sampler's log-probs, known
+        r["logp"] = torch.full((len(r["completion"]),), -3.0)
     alone = grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), groups, a)
     real = grpo.all_gather
     def with_an_empty_rank(obj):  # the sums of a rank whose chunk loop never ran
