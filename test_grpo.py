@@ -2744,9 +2744,10 @@ def test_the_step_s_gradient_is_the_papers_and_mask_truncated_drops_rows(loaded,
     a, model, tok = loaded
     a = replace(a, loss_agg=agg, max_grad_norm=0.0, max_new_tokens=6, scale="std", micro_batch_size=3)
     groups = tiny.fixed_groups(tok, REWARDS, a)
-    for g, i in ((groups[0], 3), (groups[2], 3)):  # two completions of T tokens that did not end (no EOS)
-        g["completions"][i] = torch.cat([g["completions"][i][:-1], torch.tensor([7])])
-        g["truncated"][i] = True
+    for b in (0, 2):  # two completions of T tokens that did not end (no EOS): each group's last
+        r = [r for r in groups if r["order"] == b][3]
+        r["completion"] = torch.cat([r["completion"][:-1], torch.tensor([7])])
+        r["truncated"] = True
     batch = {**grpo.collate(groups, tok.pad_token_id, "cpu"), "adv": adv_rows(groups, a)}
     kept = ~batch["truncated"]
     assert batch["adv"][~kept].abs().min() > 0.4 and batch["mask"][~kept].sum(1).tolist() == [6, 6]
@@ -2859,8 +2860,8 @@ def test_one_step_at_the_full_vocabulary_width(wide_dir, algo, dtype):
     model, tok, ref = grpo.load_model(a, torch.device("cpu"))
     assert model.get_output_embeddings().weight.shape[0] == len(tok) == 151936
     groups, stats = rollout(a, model, tok, stub_reward(lambda i: float(i % 2)))
-    ids = torch.cat([c for g in groups for c in g["completions"]])
-    assert ids.max() < len(tok) and all(isinstance(t, str) for g in groups for t in g["texts"])
+    ids = torch.cat([r["completion"] for r in groups])
+    assert ids.max() < len(tok) and all(isinstance(r["text"], str) for r in groups)
     m = grpo.train_step(model, ref, grpo.make_optimizer(a, model), groups, a)
     assert m["grad/norm"] > 0 and math.isfinite(m["loss"]) and math.isfinite(m["kl"])
     assert 0 < m["policy/entropy"] <= math.log(len(tok)) + 1e-3
@@ -2897,25 +2898,27 @@ def test_sampling_and_a_step_hold_what_the_design_says_at_qwen2_5_0_5b_s_width(q
     tokens here); and with --gradient-checkpointing what the forward saves for backward is the layers' inputs
     and two more of their size in fp32 (the final norm's, the head's input), so no chunk's logits are kept."""
     a = grpo.parse_args(["--model", qwen_width_dir, "--max-new-tokens", "16", "--dtype", "bf16",
-                         "--gradient-checkpointing", "--prompts-per-step", "2", "--num-generations", "4"])
+                         "--gradient-checkpointing", "--prompts-per-step", "2", "--num-generations", "4",
+                         "--system-prompt", ""])
     model, tok, _ = grpo.load_model(a, torch.device("cpu"))
     V, H, MLP, layers = 151936, 896, 4864, 2
-    texts = [grpo.chat_prompt(tok, q, "") for q in ("1+1?", "2+3?")]
-    P = 24 if compiled else len(tok(texts[0]).input_ids)  # the compiled sampler's shape pads the prompt to 24
+    P = 24 if compiled else len(tok(grpo.chat_prompt(tok, "1+1?", "")).input_ids)  # compiled: padded to 24
     sampler = grpo.make_sampler(model, a, P, 8, compiled=True) if compiled else None
     torch.manual_seed(0)
+    rows = [{"record": {"prompt": q, "answer": ""}} for q in ("1+1?", "2+3?") for _ in range(4)]
     with Largest() as sampling:
-        prompts, comps, truncated, logps, _, _ = grpo.generate(model, tok, texts, 4, a, sampler=sampler)
-    assert len(comps) == 8 and sampling.top[0] <= max(8 * V * 4, 8 * P * MLP * 4) < 8 * 2 * V * 4, sampling.top
-    groups = [dict(prompt_ids=p, completions=comps[i * 4:(i + 1) * 4], truncated=truncated[i * 4:(i + 1) * 4],
-                   is_teacher=[False] * 4, rewards=torch.tensor([1.0, 0, 0, 1]), order=i, per_fn={},
-                   sampler_logp=logps[i * 4:(i + 1) * 4]) for i, p in enumerate(prompts)]
+        grpo.generate(model, tok, rows, a, sampler=sampler)
+    assert len(rows) == 8 and sampling.top[0] <= max(8 * V * 4, 8 * P * MLP * 4) < 8 * 2 * V * 4, sampling.top
+    assert len(rows[0]["prompt_ids"]) == len(tok(grpo.chat_prompt(tok, "1+1?", "")).input_ids)  # P, as rendered
+    for i, r in enumerate(rows):  # two groups, rewards 1 0 0 1
+        r.update(is_teacher=False, reward=[1.0, 0, 0, 1][i % 4], order=i // 4, rewards={})
+    prompts, comps = [r["prompt_ids"] for r in rows], [r["completion"] for r in rows]
     saved = []
     def pack(x):
         saved.append(x.untyped_storage().nbytes())
         return x
     with Largest() as training, torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        m = grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), groups, a)
+        m = grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), rows, a)
     tokens = sum(map(len, comps))
     assert m["train/rows"] == 8 and tokens * V * 4 > training.top[0] == 2 ** 24 // V * V * 4, training.top
     L = max(map(len, prompts)) + max(map(len, comps))  # the rows' length in the step
