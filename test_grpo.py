@@ -556,12 +556,12 @@ def test_entropy_bonus_against_verl(agg, value):
 TOOL_MASK = [[1, 1, 0, 0, 1], [1, 0, 1, 1, 1], [1, 0, 0, 1, 1], [1, 1, 1, 1, 1]]
 
 
-def tool_groups():
-    """peer_inputs' completion lengths (5, 3, 4, 1) as one group, each row's tool mask cut from TOOL_MASK."""
+def tool_rows():
+    """peer_inputs' completion lengths (5, 3, 4, 1): one group's rows, each row's tool mask cut from TOOL_MASK."""
     comps = [torch.arange(4, 4 + n) for n in (5, 3, 4, 1)]
-    return [dict(prompt_ids=torch.tensor([1, 2]), completions=comps, truncated=[False] * 4, order=0, per_fn={},
-                 is_teacher=[False] * 4, rewards=torch.zeros(4), sampler_logp=[torch.zeros(len(c)) for c in comps],
-                 tool_mask=[torch.tensor(TOOL_MASK[i][:len(c)], dtype=torch.float) for i, c in enumerate(comps)])]
+    return [dict(prompt_ids=torch.tensor([1, 2]), completion=c, truncated=False, order=0, rewards={},
+                 is_teacher=False, reward=0.0, logp=torch.zeros(len(c)), record={"prompt": "", "answer": ""},
+                 tool_mask=torch.tensor(TOOL_MASK[i][:len(c)], dtype=torch.float)) for i, c in enumerate(comps)]
 
 
 @pytest.mark.parametrize("kw", [dict(surrogate="clip", beta=0.04, kl="k3", entropy_coef=0.01),
@@ -576,7 +576,7 @@ def test_tool_tokens_get_no_gradient_and_leave_the_loss_as_it_is(kw, agg):
     """collate's mask is 0 on tool tokens (each row's tool_mask), and through it no term reaches them: for every
     surrogate, KL estimator, the entropy bonus, IS weights and aggregation, the gradient there (log-probs and
     entropy) is exactly 0, and other values there (pi, pi_old, pi_ref, the sampler's, H: +3) change no loss."""
-    b = grpo.collate(tool_groups(), 0, "cpu")
+    b = grpo.collate(tool_rows(), 0, "cpu")
     x = peer_inputs()
     tool = (x["mask"] == 1) & (torch.tensor(TOOL_MASK) == 0)  # inside a completion, a tool's
     assert torch.equal(b["mask"].double(), x["mask"] * torch.tensor(TOOL_MASK)) and tool.sum() == 5
@@ -607,7 +607,7 @@ def test_tool_masked_loss_and_gradient_against_trl(kw, value, grad):
     """TRL 1.16.0 GRPOTrainer._compute_loss on peer_inputs with tool_mask = TOOL_MASK (its loss mask: completion_mask
     x tool_mask; num_items_in_batch counts it too), its own code run on them: the loss and d loss / d log pi."""
     x = peer_inputs()
-    x["mask"] = x["loss_mask"] = grpo.collate(tool_groups(), 0, "cpu")["mask"].double()
+    x["mask"] = x["loss_mask"] = grpo.collate(tool_rows(), 0, "cpu")["mask"].double()
     loss, g, _ = objective(x, **kw)
     assert loss == pytest.approx(value, abs=1e-12) and near(g, grad)
 
@@ -1083,12 +1083,14 @@ def test_evaluate_reports_greedy_mean_and_pass_at_k(loaded, monkeypatch):
     a = replace(a, eval_samples=4)
     right = {"p0": 0, "p1": 1, "p2": 3}  # right sampled answers per prompt; greedy is right on p2 only
 
-    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None, episodes=None, temps=None):
-        prompts = [next(p for p in right if p in t) for t in texts]
-        answers = [("7" if greedy and p == "p2" else "0") if greedy else ("7" if i < right[p] else "0")
-                   for p in prompts for i in range(n)]
-        comps = [torch.tensor(tok(x, add_special_tokens=False).input_ids) for x in answers]
-        return None, comps, None, None, [torch.ones(len(c)) for c in comps], None
+    def fake_generate(model, tok, rows, a, greedy=False, sampler=None, tools=None):
+        for j, r in enumerate(rows):
+            p = r["record"]["prompt"]
+            i = sum(q["record"] is r["record"] for q in rows[:j])  # the row's place in its prompt's
+            answer = ("7" if greedy and p == "p2" else "0") if greedy else ("7" if i < right[p] else "0")
+            r["completion"] = torch.tensor(tok(answer, add_special_tokens=False).input_ids)
+            r["text"] = tok.decode(r["completion"], skip_special_tokens=True)
+        return rows
     monkeypatch.setattr(grpo, "generate", fake_generate)
     got = grpo.evaluate(model, tok, [{"prompt": p, "answer": "7"} for p in right], a, 0, 1)
     pass2 = (0 + (1 - 3 / 6) + 1) / 3  # C(3,2)/C(4,2) = 3/6 pairs miss the one right answer; 3 right: never
@@ -1357,13 +1359,18 @@ def test_format_reward(text, want):
     assert R.r1_format(text, "3") == R.REWARDS["format"](text, "3") == want
 
 
+def text_rows(texts, records, lengths):
+    """Rows as score reads them: a completion's text, its record, and a completion of `length` tokens."""
+    return [dict(record=ex, text=t, completion=[0] * n) for t, ex, n in zip(texts, records, lengths)]
+
+
 def test_the_registry_and_the_weights_reach_the_reward():
     """--rewards names map to the functions README describes, and each is weighted: R = sum_k w_k r_k."""
     assert (R.REWARDS["correct"]("\\boxed{2}", "3"), R.REWARDS["correct_pm1"]("\\boxed{2}", "3")) == (0.0, -1.0)
     fns = grpo.build_rewards(grpo.parse_args(["--rewards", "correct:0.5,correct_pm1:2,format:0.25"]))
     text = "<think>1+2</think><answer>3</answer>"
-    total, per_fn, _ = grpo.score([text, "\\boxed{4}"], [{"prompt": "1+2?", "answer": "3"}] * 2, [9, 5], fns,
-                               grpo.parse_args([]))
+    total, per_fn, _ = grpo.score(text_rows([text, "\\boxed{4}"], [{"prompt": "1+2?", "answer": "3"}] * 2, [9, 5]),
+                                  fns, grpo.parse_args([]))
     assert {k: v.tolist() for k, v in per_fn.items()} == {"correct": [1, 0], "correct_pm1": [1, -1], "format": [1, 0]}
     assert total.tolist() == [0.5 + 2 + 0.25, -2.0]
 
@@ -1382,7 +1389,7 @@ def test_cosine_reward_by_hand_and_against_trl():
     assert R.cosine(wrong, "3", length=10 ** 6, max_length=100) == -0.5  # past L_max: L_max's value
     assert R.REWARDS["cosine"] is R.cosine and R.cosine.reads_answer
     fns = grpo.build_rewards(grpo.parse_args(["--rewards", "cosine", "--max-new-tokens", "100"]))  # T is L_max
-    total, _, _ = grpo.score([right, wrong], [{"prompt": "1+2?", "answer": "3"}] * 2, [50, 100], fns,
+    total, _, _ = grpo.score(text_rows([right, wrong], [{"prompt": "1+2?", "answer": "3"}] * 2, [50, 100]), fns,
                              grpo.parse_args([]))
     assert total.tolist() == pytest.approx([0.75, -0.5])
 
@@ -1410,7 +1417,7 @@ def test_repetition_reward_s_parameters_each_change_its_value_by_hand():
     assert R.repetition("x y x y x y", "", max_penalty=-0.5) == pytest.approx(-0.5 * (1 - 2 / 4))
     assert R.repetition("x y x y x y", "", ngram_size=2, max_penalty=-2.0) == pytest.approx(-2.0 * (1 - 2 / 5))
     fns = grpo.build_rewards(grpo.parse_args(["--rewards", "repetition:2"]))  # the registry's, weighted
-    total, _, _ = grpo.score(["a b a b a", "x y x y x y"], [{"prompt": "p", "answer": ""}] * 2, [5, 6], fns,
+    total, _, _ = grpo.score(text_rows(["a b a b a", "x y x y x y"], [{"prompt": "p", "answer": ""}] * 2, [5, 6]), fns,
                              grpo.parse_args([]))
     assert total.tolist() == pytest.approx([-2 * (1 - 2 / 3), -2 * (1 - 2 / 4)])
     assert R.cosine("so \\boxed{3}", "3", length=128) == pytest.approx(0.75)  # cosine's own L_max: 256, half way
@@ -1453,7 +1460,7 @@ def test_reward_functions_get_the_record_s_fields_and_the_length(tmp_path):
     fns = [("all", lambda c, ans, **kw: seen.append(("all", ans, kw)) or 1.0, 1.0),
            ("some", lambda c, ans, prompt, length, **kw: seen.append(("some", ans, prompt)) or length / 10, 1.0)]
     ex = {"prompt": "Write f.", "answer": "", "tests": ["assert f() == 1"]}
-    total, _, _ = grpo.score(["def f(): return 1"], [ex], [5], fns, a)
+    total, _, _ = grpo.score(text_rows(["def f(): return 1"], [ex], [5]), fns, a)
     assert total.item() == 1.5
     assert seen == [("all", "", {"prompt": "Write f.", "tests": ["assert f() == 1"], "length": 5}),
                     ("some", "", "Write f.")]
@@ -1461,9 +1468,9 @@ def test_reward_functions_get_the_record_s_fields_and_the_length(tmp_path):
     assert grpo.load_examples(write(tmp_path / "d.jsonl", [json.dumps(ex)]), "train", False, fns, {"length": 0}) == [ex]
     only = [("only", lambda c, ans, *, tests, **kw: float(len(tests)), 1.0)]  # keyword-only, no default: the record's
     assert grpo.load_examples(write(tmp_path / "d.jsonl", [json.dumps(ex)]), "train", False, only) == [ex]
-    assert grpo.score(["x"], [ex], [1], only, a)[0].item() == 1.0
+    assert grpo.score(text_rows(["x"], [ex], [1]), only, a)[0].item() == 1.0
     with pytest.raises(SystemExit, match="reward 'none' raised TypeError: .*unexpected keyword argument 'prompt'"):
-        grpo.score(["x"], [ex], [1], [("none", lambda c, ans: 3.0, 1.0)], a)
+        grpo.score(text_rows(["x"], [ex], [1]), [("none", lambda c, ans: 3.0, 1.0)], a)
 
 
 @pytest.mark.parametrize("line, says", [
@@ -1500,7 +1507,7 @@ def test_a_record_field_never_sets_a_reward_s_own_parameter(tmp_path, rewards, f
     data = write(tmp_path / "d.jsonl", ['{"prompt": "q", "answer": "1", "level": 2}',
                                         json.dumps({"prompt": "q", "answer": "1", others[field]: 5})])
     examples = grpo.load_examples(data, "train", False, fns)
-    total, _, _ = grpo.score(["a a a a a a"] * 2, examples, [20, 20], fns, grpo.parse_args([]))
+    total, _, _ = grpo.score(text_rows(["a a a a a a"] * 2, examples, [20, 20]), fns, grpo.parse_args([]))
     want = {"cosine": [-0.75, -0.75], "repetition": [-0.75, -0.75], "mine": [2 + 40, 40]}[rewards]
     assert total.tolist() == pytest.approx(want)  # cosine at T = 40: 20 tokens is half way; 4 trigrams, 1 unique
 
@@ -1527,7 +1534,7 @@ def test_custom_reward_alone_unless_rewards_given(tmp_path):
     a = grpo.parse_args(["--reward-fn", f"{tmp_path}/rw.py:length", "--rewards", "correct: 1, format :0.5"])
     fns = grpo.build_rewards(a)  # spaces around the names and weights are fine
     assert [(n, w) for n, _, w in fns] == [("correct", 1.0), ("format", 0.5), ("length", 1.0)]
-    total, per_fn, _ = grpo.score(["\\boxed{3} xx"], [{"prompt": "1+2?", "answer": "3"}], [5], fns, a)
+    total, per_fn, _ = grpo.score(text_rows(["\\boxed{3} xx"], [{"prompt": "1+2?", "answer": "3"}], [5]), fns, a)
     assert total.item() == pytest.approx(1.0 + 0 + 1.2) and per_fn["length"].item() == pytest.approx(1.2)
 
 
@@ -1541,7 +1548,7 @@ def test_a_reward_that_raises_or_returns_no_finite_number_stops_the_run_named(va
     """float32 is the step's dtype: 3.5e38 is finite in Python and inf there."""
     fns = [("r", eval(f"lambda c, ans, **kw: {value}"), 1.0)]
     with pytest.raises(SystemExit, match=says):
-        grpo.score(["x"], [{"prompt": "p", "answer": "1"}], [1], fns, grpo.parse_args([]))
+        grpo.score(text_rows(["x"], [{"prompt": "p", "answer": "1"}], [1]), fns, grpo.parse_args([]))
 
 
 def test_rewards_that_overflow_float32_in_the_advantages_are_refused():
@@ -1647,7 +1654,7 @@ def test_a_reward_model_is_loaded_as_the_policy_and_frozen(tmp_path, monkeypatch
     scores = {}
     for extra in ([], ["--dtype", "bf16"], ["--dtype", "bf16", "--load-in-4bit"]):
         fns = grpo.build_rewards(grpo.parse_args(["--reward-model", rm, "--rewards", "model"] + extra))
-        scores[len(extra)] = grpo.score(texts, records, [3, 9], fns, grpo.parse_args([]))[1]["model"]
+        scores[len(extra)] = grpo.score(text_rows(texts, records, [3, 9]), fns, grpo.parse_args([]))[1]["model"]
         model = loaded[-1]
         assert not model.training and not any(p.requires_grad for p in model.parameters())
         assert model.device.type == "cpu" and model.dtype == (torch.bfloat16 if extra else torch.float32)
@@ -2222,13 +2229,15 @@ def test_a_number_answer_is_the_shortest_text_that_reads_back_in_its_own_precisi
                                                str(tmp_path / "f32.parquet")]))
     boxed = [f"so \\boxed{{{x}}}" for x in ("0.00005", "0.1", "2.5", "10,000,000,000,000,000", "3", ".3")]
     fns = grpo.build_rewards(grpo.parse_args(["--rewards", "correct"]))
-    assert grpo.score(boxed, evals, [5] * 6, fns, grpo.parse_args([]))[0].tolist() == [1.0] * 6
+    assert grpo.score(text_rows(boxed, evals, [5] * 6), fns, grpo.parse_args([]))[0].tolist() == [1.0] * 6
     a, model, tok = loaded
 
-    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None, episodes=None, temps=None):  # each prompt's boxed answer
-        asked = [next(i for i in range(6) if f"q{i}<" in t) for t in texts]  # the prompt ends 'q3<|im_end|>'
-        comps = [torch.tensor(tok(boxed[i], add_special_tokens=False).input_ids) for i in asked for _ in range(n)]
-        return None, comps, None, None, [torch.ones(len(c)) for c in comps], None
+    def fake_generate(model, tok, rows, a, greedy=False, sampler=None, tools=None):  # each prompt's boxed answer
+        for r in rows:
+            ids = tok(boxed[int(r["record"]["prompt"][1:])], add_special_tokens=False).input_ids  # prompt q3: 3
+            r["completion"] = torch.tensor(ids)
+            r["text"] = tok.decode(r["completion"], skip_special_tokens=True)
+        return rows
     monkeypatch.setattr(grpo, "generate", fake_generate)
     assert grpo.evaluate(model, tok, evals, replace(a, eval_samples=0), 0, 1)["eval/accuracy"] == 1.0
 
@@ -2472,10 +2481,10 @@ def test_sampling_ignores_the_model_s_own_generation_defaults(tmp_path):
     from transformers import GenerationConfig
     GenerationConfig(do_sample=True, suppress_tokens=[i for i in range(260) if i != 20], repetition_penalty=3.0,
                      eos_token_id=2).save_pretrained(path)
-    a = grpo.parse_args(["--model", path, "--max-new-tokens", "8"])
+    a = grpo.parse_args(["--model", path, "--max-new-tokens", "8", "--system-prompt", ""])
     model, tok, _ = grpo.load_model(a, torch.device("cpu"))
-    _, comps, _, _ = grpo.generate(model, tok, [grpo.chat_prompt(tok, "1+1?", "")], 8, a)[:4]
-    assert len({tuple(c.tolist()) for c in comps}) > 1
+    rows = grpo.generate(model, tok, [{"record": {"prompt": "1+1?", "answer": ""}} for _ in range(8)], a)
+    assert len({tuple(r["completion"].tolist()) for r in rows}) > 1
     assert model.generation_config.eos_token_id == [tok.eos_token_id]
 
 
@@ -2489,12 +2498,12 @@ def test_every_eos_id_of_the_model_ends_a_completion(eos_dir):
     eos = GenerationConfig.from_pretrained(eos_dir).eos_token_id
     assert model.generation_config.eos_token_id == sorted(eos) and len(eos) == 22
     torch.manual_seed(0)
-    texts = [grpo.chat_prompt(tok, t, a.system_prompt) for t in TEXTS]
-    _, comps, truncated, logps = grpo.generate(model, tok, texts, 8, a)[:4]
-    for c, cut, lp in zip(comps, truncated, logps):
+    rows = grpo.generate(model, tok, [{"record": {"prompt": t, "answer": ""}} for t in TEXTS for _ in range(8)], a)
+    for r in rows:
+        c, cut, lp = r["completion"], r["truncated"], r["logp"]
         ends = [i for i, t in enumerate(c.tolist()) if t in eos]
         assert ends == ([] if cut else [len(c) - 1]) and (len(c) == 12 or not cut) and len(lp) == len(c)
-    ended_by = {c[-1].item() for c, cut in zip(comps, truncated) if not cut}
+    ended_by = {r["completion"][-1].item() for r in rows if not r["truncated"]}
     assert len(ended_by - {tok.eos_token_id}) >= 2  # the model's other EOS ids end some
 
 
@@ -2588,7 +2597,7 @@ def test_a_tensor_step_terms_returns_reaches_token_objective_by_name_and_is_no_i
     assert grpo.probe(a)[0] == set()  # drgrpo reads no input; "w" is written
     groups = tiny.fixed_groups(tok, [[0, 1, 0, 1], [1, 0, 0, 1]], a)
     grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), groups, a)
-    C = max(len(c) for g in groups for c in g["completions"])
+    C = max(len(r["completion"]) for r in groups)
     assert torch.equal(torch.cat(seen), 1 + torch.arange(8 * C, dtype=torch.float).view(8, C))  # micro-batches 3, 3, 2
 
 
@@ -2607,7 +2616,7 @@ def test_the_step_s_statistics_see_every_rank_s_trained_tokens_as_one_process(lo
     monkeypatch.setattr(grpo, "step_stats", with_a_quantile)
     m = grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), groups, a)
     d = seen[0]
-    lengths = [len(c) for g in groups for c in g["completions"]]
+    lengths = [len(r["completion"]) for r in groups]
     want = torch.tensor([[t < n and i < 4 for t in range(max(lengths))] for i, n in enumerate(lengths)])
     assert torch.equal(d["loss/ratio"].isfinite(), want) and torch.equal(d["order"], torch.tensor([0] * 4 + [1] * 4))
     assert m["loss/ratio_q50"] == 1.0 and m["loss/ratio"] == 1.0  # one update: r = 1 on every trained token
@@ -2618,8 +2627,8 @@ def test_the_step_s_statistics_see_every_rank_s_trained_tokens_as_one_process(lo
             other["sampler/logp_gap"] = torch.where(other["sampler/logp_gap"].isfinite(), 7.0, math.nan)
             return [obj, other]
         return real(obj)
-    for g in groups:  # the sampler's log-probs, known: the gap is defined
-        g["sampler_logp"] = [torch.full((len(c),), -3.0) for c in g["completions"]]
+    for r in groups:  # the sampler's log-probs, known: the gap is defined
+        r["logp"] = torch.full((len(r["completion"]),), -3.0)
     monkeypatch.setattr(grpo, "all_gather", two_ranks)
     m = grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), groups, a)
     assert seen[-1]["loss/ratio"].shape[0] == 16 and m["sampler/logp_gap_max"] == 7.0  # the other rank's worst
@@ -2631,8 +2640,8 @@ def test_a_rank_with_no_row_to_train_leaves_the_step_s_metrics_to_the_others(loa
     gather of the step's sums gets a second, empty rank's beside this one's."""
     a, model, tok = loaded
     groups = tiny.fixed_groups(tok, [[0, 1, 0, 1], [1, 0, 0, 0]], a)
-    for g in groups:  # the sampler's log-probs, known
-        g["sampler_logp"] = [torch.full((len(c),), -3.0) for c in g["completions"]]
+    for r in groups:  # the sampler's log-probs, known
+        r["logp"] = torch.full((len(r["completion"]),), -3.0)
     alone = grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), groups, a)
     real = grpo.all_gather
     def with_an_empty_rank(obj):  # the sums of a rank whose chunk loop never ran
@@ -2735,9 +2744,10 @@ def test_the_step_s_gradient_is_the_papers_and_mask_truncated_drops_rows(loaded,
     a, model, tok = loaded
     a = replace(a, loss_agg=agg, max_grad_norm=0.0, max_new_tokens=6, scale="std", micro_batch_size=3)
     groups = tiny.fixed_groups(tok, REWARDS, a)
-    for g, i in ((groups[0], 3), (groups[2], 3)):  # two completions of T tokens that did not end (no EOS)
-        g["completions"][i] = torch.cat([g["completions"][i][:-1], torch.tensor([7])])
-        g["truncated"][i] = True
+    for b in (0, 2):  # two completions of T tokens that did not end (no EOS): each group's last
+        r = [r for r in groups if r["order"] == b][3]
+        r["completion"] = torch.cat([r["completion"][:-1], torch.tensor([7])])
+        r["truncated"] = True
     batch = {**grpo.collate(groups, tok.pad_token_id, "cpu"), "adv": adv_rows(groups, a)}
     kept = ~batch["truncated"]
     assert batch["adv"][~kept].abs().min() > 0.4 and batch["mask"][~kept].sum(1).tolist() == [6, 6]
@@ -2850,8 +2860,8 @@ def test_one_step_at_the_full_vocabulary_width(wide_dir, algo, dtype):
     model, tok, ref = grpo.load_model(a, torch.device("cpu"))
     assert model.get_output_embeddings().weight.shape[0] == len(tok) == 151936
     groups, stats = rollout(a, model, tok, stub_reward(lambda i: float(i % 2)))
-    ids = torch.cat([c for g in groups for c in g["completions"]])
-    assert ids.max() < len(tok) and all(isinstance(t, str) for g in groups for t in g["texts"])
+    ids = torch.cat([r["completion"] for r in groups])
+    assert ids.max() < len(tok) and all(isinstance(r["text"], str) for r in groups)
     m = grpo.train_step(model, ref, grpo.make_optimizer(a, model), groups, a)
     assert m["grad/norm"] > 0 and math.isfinite(m["loss"]) and math.isfinite(m["kl"])
     assert 0 < m["policy/entropy"] <= math.log(len(tok)) + 1e-3
@@ -2888,25 +2898,27 @@ def test_sampling_and_a_step_hold_what_the_design_says_at_qwen2_5_0_5b_s_width(q
     tokens here); and with --gradient-checkpointing what the forward saves for backward is the layers' inputs
     and two more of their size in fp32 (the final norm's, the head's input), so no chunk's logits are kept."""
     a = grpo.parse_args(["--model", qwen_width_dir, "--max-new-tokens", "16", "--dtype", "bf16",
-                         "--gradient-checkpointing", "--prompts-per-step", "2", "--num-generations", "4"])
+                         "--gradient-checkpointing", "--prompts-per-step", "2", "--num-generations", "4",
+                         "--system-prompt", ""])
     model, tok, _ = grpo.load_model(a, torch.device("cpu"))
     V, H, MLP, layers = 151936, 896, 4864, 2
-    texts = [grpo.chat_prompt(tok, q, "") for q in ("1+1?", "2+3?")]
-    P = 24 if compiled else len(tok(texts[0]).input_ids)  # the compiled sampler's shape pads the prompt to 24
+    P = 24 if compiled else len(tok(grpo.chat_prompt(tok, "1+1?", "")).input_ids)  # compiled: padded to 24
     sampler = grpo.make_sampler(model, a, P, 8, compiled=True) if compiled else None
     torch.manual_seed(0)
+    rows = [{"record": {"prompt": q, "answer": ""}} for q in ("1+1?", "2+3?") for _ in range(4)]
     with Largest() as sampling:
-        prompts, comps, truncated, logps, _, _ = grpo.generate(model, tok, texts, 4, a, sampler=sampler)
-    assert len(comps) == 8 and sampling.top[0] <= max(8 * V * 4, 8 * P * MLP * 4) < 8 * 2 * V * 4, sampling.top
-    groups = [dict(prompt_ids=p, completions=comps[i * 4:(i + 1) * 4], truncated=truncated[i * 4:(i + 1) * 4],
-                   is_teacher=[False] * 4, rewards=torch.tensor([1.0, 0, 0, 1]), order=i, per_fn={},
-                   sampler_logp=logps[i * 4:(i + 1) * 4]) for i, p in enumerate(prompts)]
+        grpo.generate(model, tok, rows, a, sampler=sampler)
+    assert len(rows) == 8 and sampling.top[0] <= max(8 * V * 4, 8 * P * MLP * 4) < 8 * 2 * V * 4, sampling.top
+    assert len(rows[0]["prompt_ids"]) == len(tok(grpo.chat_prompt(tok, "1+1?", "")).input_ids)  # P, as rendered
+    for i, r in enumerate(rows):  # two groups, rewards 1 0 0 1
+        r.update(is_teacher=False, reward=[1.0, 0, 0, 1][i % 4], order=i // 4, rewards={})
+    prompts, comps = [r["prompt_ids"] for r in rows], [r["completion"] for r in rows]
     saved = []
     def pack(x):
         saved.append(x.untyped_storage().nbytes())
         return x
     with Largest() as training, torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        m = grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), groups, a)
+        m = grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), rows, a)
     tokens = sum(map(len, comps))
     assert m["train/rows"] == 8 and tokens * V * 4 > training.top[0] == 2 ** 24 // V * V * 4, training.top
     L = max(map(len, prompts)) + max(map(len, comps))  # the rows' length in the step
