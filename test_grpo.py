@@ -3782,9 +3782,9 @@ def test_an_environment_is_an_instance_a_completion_reset_with_its_record(env_lo
     held = []
     monkeypatch.setattr(grpo, "sample", scripted(tok, script, held))
     records = [{"prompt": "Guess.", "answer": "30", "seed": 30}, {"prompt": "Again.", "answer": "60", "seed": 60}]
-    episodes = [{"record": r} for r in records for _ in range(2)]
-    prompts, comps, truncated, logps, masks, calls = grpo.generate(model, tok, ["unused"] * 2, 2, a, tools=tools,
-                                                                   episodes=episodes)
+    episodes = grpo.generate(model, tok, [{"record": r} for r in records for _ in range(2)], a, tools=tools)
+    prompts, truncated, masks, calls = ([e[k] for e in episodes] for k in ("prompt_ids", "truncated", "tool_mask",
+                                                                            "tool_calls"))
     assert prompts[0].tolist() == tok(grpo.chat_prompt(tok, "Guess. (1..100)", a.system_prompt, tools),
                                       add_special_tokens=False).input_ids
     assert [[c["result"] for c in row] for row in calls] == [
@@ -3803,8 +3803,7 @@ def test_an_environment_is_an_instance_a_completion_reset_with_its_record(env_lo
         seen.append((env.guesses, env.done, len(tool_calls)))
         env.guesses = 99  # a copy: nothing to undo
         return float(env.done)
-    total = grpo.score(["a"] * 4, [r for r in records for _ in range(2)], [1] * 4, [("won", reward, 1.0)], a,
-                       [{**e, "tool_calls": c} for e, c in zip(episodes, calls)])[0]
+    total = grpo.score([dict(e, text="a", completion=[0]) for e in episodes], [("won", reward, 1.0)], a)[0]
     assert total.tolist() == [1, 1, 0, 1] and seen == [(2, True, 2), (1, True, 1), (0, False, 0), (1, True, 3)]
     assert episodes[0]["env"]["guesses"] == 2
 
@@ -3821,9 +3820,9 @@ def test_an_environment_that_fails_for_one_record_is_that_episode_s_error(tools_
         call = GUESS.format(50) if cls == "Guess" else '<tool_call>{"name": "ping", "arguments": {}}</tool_call>'
         monkeypatch.setattr(grpo, "sample", scripted(tok, [[call, call], ["done", "done"]]))
         episodes = [{"record": {"prompt": "Go.", "answer": "1", "seed": s}} for s in (60, -1)]
-        prompts, _, _, _, _, calls = grpo.generate(model, tok, ["", ""], 1, a, tools=tools, episodes=episodes)
-        assert [[c["result"] for c in row] for row in calls] == results
-        said = tok.decode(prompts[1])
+        grpo.generate(model, tok, episodes, a, tools=tools)
+        assert [[c["result"] for c in e["tool_calls"]] for e in episodes] == results
+        said = tok.decode(episodes[1]["prompt_ids"])
         assert results[1][0] in said  # (in its prompt: reset's text is the error)
         grpo.end_worker(tools)
 
@@ -3862,10 +3861,9 @@ def test_the_guessing_game_s_warm_start_plays_as_grpo_s_loop_renders_it(tools_di
     prompt, ids, mask = learn_env.transcript(tok, tools, ex, True, "", None)
     turns = [GUESS.format(n) for n, _ in learn_env.play(int(ex["answer"]), True, None)]
     monkeypatch.setattr(grpo, "sample", scripted(tok, [[t] for t in turns]))
-    episodes = [{"record": ex}]
-    _, comps, _, _, masks, calls = grpo.generate(model, tok, [""], 1, replace(a, max_new_tokens=400), tools=tools,
-                                                 episodes=episodes)
+    episodes = grpo.generate(model, tok, [{"record": ex}], replace(a, max_new_tokens=400), tools=tools)
     grpo.end_worker(tools)
+    comps, masks, calls = ([e[k] for e in episodes] for k in ("completion", "tool_mask", "tool_calls"))
     assert comps[0].tolist() == ids and masks[0].tolist() == mask and calls[0][-1]["result"] == "right"
     assert prompt == grpo.chat_prompt(tok, ex["prompt"], "", tools) and episodes[0]["env"]["won"]
 
@@ -4119,13 +4117,11 @@ def test_the_sampler_draws_at_its_temperature(loaded, temperature):
     with torch.no_grad():  # logits 3 times a random tiny model's (tied to the input embeddings): the temperature
         model.get_output_embeddings().weight.mul_(3.0)  # shows (entropy 1.2 nats at T = 0.5, 5.5 at T = 2)
     a = replace(a, temperature=temperature)
-    texts = [grpo.chat_prompt(tok, t, a.system_prompt) for t in TEXTS]
     torch.manual_seed(0)
-    prompts, comps, _, _ = grpo.generate(model, tok, texts, 16, a)[:4]
-    groups = [dict(prompt_ids=p, completions=comps[i * 16:(i + 1) * 16], truncated=[False] * 16, order=i, per_fn={},
-                   is_teacher=[False] * 16, rewards=torch.zeros(16), sampler_logp=[torch.zeros(1)] * 16)
-              for i, p in enumerate(prompts)]
-    b = grpo.collate(groups, tok.pad_token_id, "cpu")
+    rows = grpo.generate(model, tok, [{"record": {"prompt": t, "answer": ""}} for t in TEXTS for _ in range(16)], a)
+    for i, r in enumerate(rows):
+        r.update(reward=0.0, rewards={}, order=i // 16, is_teacher=False)
+    b = grpo.collate(rows, tok.pad_token_id, "cpu")
     with torch.no_grad():
         logp, entropy = grpo.token_logps(model, b["input_ids"], b["attention_mask"], b["mask"].shape[1], temperature)
     d = (logp + entropy)[b["mask"].bool()]
@@ -4142,8 +4138,8 @@ def test_tis_weights_each_token_by_the_truncated_ratio(loaded):
     b = grpo.collate(groups, tok.pad_token_id, "cpu")
     with torch.no_grad():
         logp, _ = grpo.token_logps(model, b["input_ids"], b["attention_mask"], b["mask"].shape[1])
-    for g, rows in zip(groups, logp.split(4)):
-        g["sampler_logp"] = [r[:len(c)] - math.log(2) for r, c in zip(rows, g["completions"])]
+    for row, lp in zip(groups, logp):
+        row["logp"] = lp[:len(row["completion"])] - math.log(2)
     base, _ = sgd_update(model, a, tiny.fixed_groups(tok, [[1.0, 0.0, 0.5, 0.2], [0.0, 1.0, 1.0, 0.3]], a),
                          tok.pad_token_id)
     for c, factor in ((1.5, 1.5), (3.0, 2.0)):
@@ -4165,7 +4161,7 @@ def test_opsm_at_delta_0_drops_rows_on_rounding_noise_alone_and_its_metric_shows
     with torch.no_grad():
         logp, _ = grpo.token_logps(model, b["input_ids"], b["attention_mask"], b["mask"].shape[1])
     drift = (torch.where(b["mask"] > 0, b["sampler_logp"] - logp, 0).sum(-1) / b["mask"].sum(-1)).tolist()
-    adv = sum((g["adv"].tolist() for g in groups), [])
+    adv = [r["adv"] for r in groups]
     lengths = b["mask"].sum(-1).tolist()
     dropped = sum(n for n, d, A in zip(lengths, drift, adv) if A < 0 and d > 0)
     m = grpo.train_step(copy.deepcopy(model), None, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0),
@@ -4188,21 +4184,19 @@ def test_the_sampler_s_logps_are_the_trainer_s_at_a_temperature_and_under_top_k_
             if "lora_B" in n:
                 p.normal_(std=0.2)  # logits spread wider than a random tiny model's: the temperature shows
     a = replace(a, **kw)
-    texts = [grpo.chat_prompt(tok, t, a.system_prompt) for t in TEXTS]
     torch.manual_seed(0)
-    prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a)[:4]
-    logp, mask = trainer_logps(model, tok, a, prompts, comps, a.num_generations)
-    drawn = padded(logps, mask)
+    rows = grpo.generate(model, tok, [{"record": {"prompt": t, "answer": ""}} for t in TEXTS for _ in range(4)], a)
+    logp, mask = trainer_logps(model, tok, a, rows)
+    drawn = padded([r["logp"] for r in rows], mask)
     assert ((logp - drawn).abs() * mask).max() < 1e-4
-    at_1, _ = trainer_logps(model, tok, replace(a, temperature=1.0), prompts, comps, a.num_generations)
+    at_1, _ = trainer_logps(model, tok, replace(a, temperature=1.0), rows)
     assert ((at_1 - drawn).abs() * mask).max() > 0.05  # what a sampler (or trainer) ignoring it would show
-    groups = [dict(prompt_ids=p, completions=comps[i * 4:(i + 1) * 4], truncated=truncated[i * 4:(i + 1) * 4],
-                   is_teacher=[False] * 4, rewards=torch.tensor([1.0, 0, 0, 1]), order=i, per_fn={},
-                   sampler_logp=logps[i * 4:(i + 1) * 4]) for i, p in enumerate(prompts)]
-    m = grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), groups, a)
+    for i, r in enumerate(rows):
+        r.update(reward=[1.0, 0, 0, 1][i % 4], rewards={}, order=i // 4, is_teacher=False)
+    m = grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), rows, a)
     assert m["sampler/logp_gap"] < 1e-4
     if a.top_k:
-        b = grpo.collate(groups, tok.pad_token_id, "cpu")
+        b = grpo.collate(rows, tok.pad_token_id, "cpu")
         with torch.no_grad():
             pos = (b["attention_mask"].cumsum(-1) - 1).clamp(min=0)
             hidden = model.get_decoder()(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
