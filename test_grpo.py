@@ -3902,10 +3902,10 @@ def test_a_step_trains_the_model_s_tokens_alone_and_counts_them_alone(loaded, ag
     a = replace(a, loss_agg=agg, max_grad_norm=0.0, max_new_tokens=6, scale="std", micro_batch_size=3, beta=0.04,
                 tools="calculator")
     groups = tiny.fixed_groups(tok, REWARDS, a)
-    for g in groups:
-        g["tool_mask"] = [torch.tensor([float(j % 3 != 1) for j in range(len(c))]) for c in g["completions"]]
+    for row in groups:
+        row["tool_mask"] = torch.tensor([float(j % 3 != 1) for j in range(len(row["completion"]))])
     batch = {**grpo.collate(groups, tok.pad_token_id, "cpu"), "adv": adv_rows(groups, a)}
-    lengths = [len(c) for g in groups for c in g["completions"]]
+    lengths = [len(row["completion"]) for row in groups]
     mask = torch.tensor([[float(j < n and j % 3 != 1) for j in range(max(lengths))] for n in lengths])
     assert torch.equal(batch["mask"], mask) and (mask.sum(1) < torch.tensor(lengths)).sum() > 8
     update, _ = sgd_update(model, a, groups, tok.pad_token_id)
@@ -3931,13 +3931,13 @@ def test_the_reward_grades_the_model_s_text_and_gets_its_length_and_its_calls(to
         return float(len(tool_calls))
     stream = grpo.prompt_stream([{"prompt": "What is 6*7?", "answer": "42"}], 0)
     _, m, generated = grpo.rollout(model, tok, stream, [("judge", judge, 1.0)], None, a, {"prompts_drawn": 0}, tools=tools)
-    comps = generated[0]["completions"]
+    comps = [r["completion"] for r in generated]
     results = [["42"], ["error: ZeroDivisionError: division by zero", "2"], [], ["42"]]
-    assert seen == [(t, len(c), r) for t, c, r in zip(generated[0]["texts"], comps, results)]
+    assert seen == [(r["text"], len(c), res) for r, c, res in zip(generated, comps, results)]
     assert [t for t, _, _ in seen] == [CALL.format("6*7") + "\\boxed{42}", CALL.format("1/0") + CALL.format("2") +
                                        "\\boxed{2}", "\\boxed{3}", CALL.format("40+2")]  # no result's text
     assert "<tool_response>\n42\n</tool_response>" in tok.decode(comps[0], skip_special_tokens=True)  # (it holds)
-    assert generated[0]["rewards"].tolist() == [1, 2, 0, 1]
+    assert [r["reward"] for r in generated] == [1, 2, 0, 1]
     assert m["accuracy"] == 1 / 4 and m["tools/calls"] == 4 / 4 and m["tools/call_frac"] == 3 / 4  # the last: not 42
     assert m["tools/errors"] == 1 / 4 and m["tools/timeouts"] == 0  # 1/0 raised
     rows = grpo.sample_rows(generated, 1)
@@ -4493,8 +4493,10 @@ def test_a_sampler_far_from_the_trainer_stops_the_run(tiny_dir, tmp_path, monkey
     real = grpo.generate
 
     def broken(*args, **kw):  # log-probs off by 1 nat, as a broken KV cache's or a stale weight's would be
-        prompts, comps, truncated, logps, *tools = real(*args, **kw)
-        return prompts, comps, truncated, [lp - 1.0 for lp in logps], *tools
+        rows = real(*args, **kw)
+        for r in rows:
+            r["logp"] = r["logp"] - 1.0
+        return rows
     monkeypatch.setattr(grpo, "generate", broken)
     with pytest.raises(SystemExit, match="the sampler's log-probs are 1.000 nat from the trainer's on average .*"
                                          "--compile-generate off"):
@@ -5297,12 +5299,14 @@ def test_each_rank_samples_and_draws_teachers_of_its_own_from_one_prompt_order(t
                              "--teacher-pool", pool, "--teacher-per-group", "3"] + NO_EVAL)
         run = grpo.start(a)
         order = [next(run.stream)["prompt"] for _ in range(12)]
-        groups = grpo.rollout(run.model, run.tok, itertools.repeat(one), run.reward_fns, run.pool, a, run.state, None,
-                              rank, 2)[2]
+        rows = grpo.rollout(run.model, run.tok, itertools.repeat(one), run.reward_fns, run.pool, a, run.state, None,
+                            rank, 2)[2]
         for f in (run.bar, run.log, run.samples) if rank == 0 else ():
             f.close()
         lora = torch.cat([p.detach().flatten() for p in run.model.parameters() if p.requires_grad]).tolist()
-        return order, [c.tolist() for g in groups for c in g["completions"][:4]], [g["texts"][4:] for g in groups], lora
+        assert [r["is_teacher"] for r in rows] == ([False] * 4 + [True] * 3) * (len(rows) // 7) and rows
+        return (order, [r["completion"].tolist() for r in rows if not r["is_teacher"]],
+                [r["text"] for r in rows if r["is_teacher"]], lora)
     order, samples, teachers, lora = draws(0, "zero")
     other = draws(1, "one")
     assert other[3] == lora  # one LoRA init: the gradients are summed over ranks onto the same weights
@@ -5373,12 +5377,13 @@ torch.manual_seed(0)
 model, tok, _ = grpo.load_model(a, device)
 train, _ = grpo.load_data(a)
 real, drawn = grpo.generate, []
-def recording(model, tok, texts, n, a, greedy=False, **kw):  # what each rank's evaluation draws
-    out = real(model, tok, texts, n, a, greedy=greedy, **kw)
-    drawn.append([greedy, len(texts), [c.tolist() for c in out[1]]])
+def recording(model, tok, rows, a, greedy=False, **kw):  # what each rank's evaluation draws: prompts, completions
+    out = real(model, tok, rows, a, greedy=greedy, **kw)
+    drawn.append([greedy, len({id(r["record"]) for r in rows}), [r["completion"].tolist() for r in out]])
     return out
 grpo.generate = recording  # the model's own samples, of 4 copies of one prompt: 2 on each of 2 ranks
-scores = grpo.evaluate(model, tok, [train[0]] * 4, dataclasses.replace(a, eval_samples=2), rank, world)
+scores = grpo.evaluate(model, tok, [dict(train[0]) for _ in range(4)], dataclasses.replace(a, eval_samples=2), rank,
+                       world)
 result["sampled"] = [scores, grpo.all_gather(drawn)]
 grpo.generate = real
 torch.manual_seed(1000 * rank)
@@ -5392,23 +5397,30 @@ for case, schedule in SCHEDULES.items():
                                   {"prompts_drawn": 0}, None, rank, world)
     if stats["groups/kept"]:  # the advantages, as the step makes them
         stats.update(grpo.prepare(model, None, kept, a, {})[-1])
-    groups = sum(grpo.all_gather([[g["prompt"], g["rewards"].tolist(), g["adv"].tolist()] for g in kept]), [])
+    mine = {}  # a kept group's prompt, rewards, advantages
+    for r in kept:
+        g = mine.setdefault(r["order"], [r["record"]["prompt"], [], []])
+        g[1].append(r["reward"])
+        g[2].append(r["adv"])
+    groups = sum(grpo.all_gather(list(mine.values())), [])
     result[case] = [sorted(groups), {k: v for k, v in stats.items() if k.startswith(("groups/kept", "groups/gen",
                                                                                       "adv/"))}]
-def generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None, episodes=None, temps=None):  # completions set by a prompt's k
-    rows = [(int(t.split("Question ")[1].split("?")[0]), j) for t in texts for j in range(n)]
-    comps = [tok(f"\\boxed{{{k % 3 if greedy else (k + j) % 2}}}" + " so" * (k % 4 + j), add_special_tokens=False)
-             .input_ids + [tok.eos_token_id] * ((k + j) % 3 > 0) for k, j in rows]  # (k + j) % 3 == 0: truncated
-    prompts = [tok(t, add_special_tokens=False, return_tensors="pt").input_ids[0] for t in texts]
-    odd = [places.index(f"Question {k}?") % 2 for k, _ in rows]  # its place in a round: odd on rank 1 of 2
-    called = [(k + j) % 2 * (1 + o) for (k, j), o in zip(rows, odd)]  # calls: twice as many on rank 1 of 2; their
-    # results: the completion's 3rd and 4th tokens, a tool's
-    calls = [[{"name": "calculator", "arguments": {}, "result": "1", **({"error": True} if k % 4 == 1 else {})}] * c
-             for (k, _), c in zip(rows, called)]
-    return (prompts, [torch.tensor(c) for c in comps], [(k + j) % 3 == 0 for k, j in rows],
-            [torch.full((len(c),), -30.0 * o) for o, c in zip(odd, comps)],  # the sampler's: 30 nat off on rank 1
-            [torch.tensor([float(not c or i not in (2, 3)) for i in range(len(ids))]) for c, ids in zip(called, comps)],
-            calls)
+def generate(model, tok, rows, a, greedy=False, sampler=None, tools=None):  # completions set by a prompt's k
+    for i, r in enumerate(rows):  # the j-th row of prompt k
+        k = int(r["record"]["prompt"].split("Question ")[1].split("?")[0])
+        j = [q["record"] for q in rows[:i]].count(r["record"])
+        comp = tok(f"\\boxed{{{k % 3 if greedy else (k + j) % 2}}}" + " so" * (k % 4 + j), add_special_tokens=False
+                   ).input_ids + [tok.eos_token_id] * ((k + j) % 3 > 0)  # (k + j) % 3 == 0: truncated
+        odd = places.index(f"Question {k}?") % 2  # its place in a round: odd on rank 1 of 2
+        called = (k + j) % 2 * (1 + odd)  # calls: twice as many on rank 1 of 2; their results: the completion's 3rd
+        mask = torch.tensor([float(not called or t not in (2, 3)) for t in range(len(comp))])  # and 4th tokens
+        r.update(prompt_ids=torch.tensor(tok(grpo.prompt_text(tok, r["record"], a, tools), add_special_tokens=False
+                                             ).input_ids), completion=torch.tensor(comp), truncated=(k + j) % 3 == 0,
+                 logp=torch.full((len(comp),), -30.0 * odd), tool_mask=mask,  # the sampler's: 30 nat off on rank 1
+                 tool_calls=[{"name": "calculator", "arguments": {}, "result": "1",
+                              **({"error": True} if k % 4 == 1 else {})}] * called,
+                 text=tok.decode(torch.tensor(comp)[mask > 0], skip_special_tokens=True))  # the model's tokens
+    return rows
 def graded(completion, answer, prompt, tool_calls, **kw):  # prompts 3, 6, ...: an equal-reward group
     return 0.5 if int(prompt.split()[1][:-1]) % 3 == 0 else float(grpo.is_correct(completion, answer)) + len(tool_calls)
 grpo.generate = generate  # every rank's rows in the step's metrics and in the evaluation, as one process has them
