@@ -2935,7 +2935,7 @@ def test_gradient_checkpointing_recomputes_each_layer_in_backward(tiny_dir, lora
         a = grpo.parse_args(["--model", tiny_dir, "--algo", "drgrpo", "--lora-r", lora_r] + TINY
                             + ["--micro-batch-size", "8"] + ["--gradient-checkpointing"] * gc)
         model, tok, ref = grpo.load_model(a, torch.device("cpu"))
-        grpo.generate(model, tok, [grpo.chat_prompt(tok, "1+1?", "")], 2, a)
+        grpo.generate(model, tok, [{"record": {"prompt": "1+1?", "answer": "2"}} for _ in range(2)], a)
         assert model.training and model.get_decoder().layers[0].training
         runs = []
         model.get_decoder().layers[0].mlp.register_forward_pre_hook(lambda *_: runs.append(1))
@@ -3026,11 +3026,12 @@ def test_the_overlong_penalty_reaches_the_reward(loaded, monkeypatch):
     a = grpo.parse_args(["--algo", "dapo", "--overlong-buffer", "4"] + TINY)
     lengths, cut = [2, 8, 9, 11, 12, 12, 3, 10], [False] * 5 + [True] + [False] * 2
 
-    def fake_generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None, episodes=None, temps=None):
-        prompts = [torch.tensor(tok(t, add_special_tokens=False).input_ids) for t in texts]
-        comps = [torch.tensor([7] * (k - 1) + [7 if c else tok.eos_token_id]) for k, c in zip(lengths, cut)]
-        return prompts, comps, cut, [torch.zeros(k) for k in lengths], [torch.ones(k) for k in lengths], [[]] * 8
-    monkeypatch.setattr(grpo, "generate", fake_generate)
+    def fake_sample(model, tok_, held, new_tokens, a, greedy=False, sampler=None, temps=None):  # generate's rows
+        drawn = torch.full((len(held), max(lengths)), tok.pad_token_id)
+        for r, (k, c) in enumerate(zip(lengths, cut)):
+            drawn[r, :k] = torch.tensor([7] * (k - 1) + [7 if c else tok.eos_token_id])
+        return drawn, torch.zeros(drawn.shape)
+    monkeypatch.setattr(grpo, "sample", fake_sample)
     stream = grpo.prompt_stream(grpo.arithmetic_task(100, 0), 0)
     seen = []
 
@@ -3039,8 +3040,7 @@ def test_the_overlong_penalty_reaches_the_reward(loaded, monkeypatch):
         return float((len(seen) - 1) % 2)
     _, _, generated = grpo.rollout(model, tok, stream, [("stub", judge, 1.0)], None, a, {"prompts_drawn": 0})
     penalty = [0, 0, -0.25, -0.75, -1, -1, 0, -0.5]
-    assert torch.cat([g["rewards"] for g in generated]).tolist() == pytest.approx(
-        [i % 2 + p for i, p in enumerate(penalty)])
+    assert [r["reward"] for r in generated] == pytest.approx([i % 2 + p for i, p in enumerate(penalty)])
     assert seen == [(tok.decode([7] * (k - (not c))), k) for k, c in zip(lengths, cut)]  # the text without its EOS
 
 
@@ -3050,9 +3050,10 @@ def test_dynamic_sampling_refills_to_b_groups(loaded):
     per_round = 4 * 2
     # round 0: every group equal (all dropped); rounds 1+: even groups differ, odd groups equal
     fn = stub_reward(lambda i: 0.0 if i < per_round else float((i % per_round) // 2 % 2 == 0 and i % 2))
-    groups, stats = rollout(a, model, tok, fn)
-    assert (stats["groups/kept"], stats["groups/gen_rounds"], len(groups)) == (4, 3, 4)
-    assert all(g["rewards"].tolist() == [0.0, 1.0] for g in groups)
+    rows, stats = rollout(a, model, tok, fn)
+    orders = sorted({r["order"] for r in rows})
+    assert (stats["groups/kept"], stats["groups/gen_rounds"], len(orders), len(rows)) == (4, 3, 4, 8)
+    assert all([r["reward"] for r in rows if r["order"] == o] == [0.0, 1.0] for o in orders)
     assert stats["reward/mean"] == pytest.approx(4 / 24)  # metrics see every completion generated, kept or not
 
 
@@ -3069,10 +3070,11 @@ def test_top_k_and_soft_reweighting(loaded):
     a, model, tok = loaded
     a = replace(a, prompts_per_step=4, num_generations=2, top_k_groups=2, soft_reweight=True, scale="none")
     spread = [0.0, 3.0, 0.0, 1.0, 0.0, 2.0, 5.0, 5.0]  # group stds ∝ 3, 1, 2, 0
-    groups, stats = rollout(a, model, tok, stub_reward(lambda i: spread[i]))
-    assert [g["rewards"].tolist() for g in groups] == [[0.0, 3.0], [0.0, 2.0]]
+    rows, stats = rollout(a, model, tok, stub_reward(lambda i: spread[i]))
+    assert [[r["reward"] for r in rows if r["order"] == o] for o in (0, 2)] == [[0.0, 3.0], [0.0, 2.0]]
+    assert [r["order"] for r in rows] == [0, 0, 2, 2]  # the two kept groups, in sampling order
     # Dr. GRPO advantages R - mean, times std_g / max std over the kept groups (3/√2 and 2/√2 -> 1 and 2/3)
-    assert torch.cat([g["adv"] for g in groups]).tolist() == pytest.approx([-1.5, 1.5, -2 / 3, 2 / 3], rel=1e-5)
+    assert [r["adv"] for r in rows] == pytest.approx([-1.5, 1.5, -2 / 3, 2 / 3], rel=1e-5)
     assert (stats["adv/soft_weight_min"], stats["adv/soft_weight_max"]) == pytest.approx((2 / 3, 1.0), rel=1e-5)
 
 
@@ -3127,30 +3129,30 @@ def test_teacher_rewards_come_from_the_pool_and_share_the_group_advantage(loaded
                                                                         ("I give up", 0.25))])
     a = replace(a, prompts_per_step=2, num_generations=2, teacher_per_group=2, teacher_pool=pool, scale=scale,
                 max_new_tokens=40, overlong_penalty=True, overlong_buffer=30, adv_estimator=estimator)  # from 11 tokens
-    groups, _ = rollout(a, model, tok, stub_reward(lambda i: float(i % 2) * 0.5), grpo.load_teacher_pool(a, data, tok))
+    rows, _ = rollout(a, model, tok, stub_reward(lambda i: float(i % 2) * 0.5), grpo.load_teacher_pool(a, data, tok))
+    assert [r["order"] for r in rows] == [0, 0, 0, 0, 1, 1, 1, 1]
     centred, lengths = [], []
-    for g in groups:
-        assert g["is_teacher"] == [False, False, True, True]
-        assert sorted(g["rewards"][2:].tolist()) == [0.25, 1.0]  # frozen, from the pool, not rescored
-        r = g["rewards"].tolist()
-        penalty = [-max(0, len(c) - 10) / 30 for c in g["completions"][:2]]  # DAPO's, by hand
+    for g in (rows[:4], rows[4:]):
+        assert [x["is_teacher"] for x in g] == [False, False, True, True]
+        r = [x["reward"] for x in g]
+        assert sorted(r[2:]) == [0.25, 1.0]  # frozen, from the pool, not rescored
+        penalty = [-max(0, len(x["completion"]) - 10) / 30 for x in g[:2]]  # DAPO's, by hand
         assert r[:2] == pytest.approx([0.0 + penalty[0], 0.5 + penalty[1]])
         mean = sum(r) / 4  # one group-relative advantage over G_s + G_t
         want = {"none": [x - mean for x in r], "std": [(x - mean) / (statistics.stdev(r) + 1e-6) for x in r]}[scale]
         if estimator == "rloo":
             want = [x - sum(r[j] for j in range(4) if j != i) / 3 for i, x in enumerate(r)]
         if estimator != "reinforce_plus_plus_baseline":
-            assert g["adv"].tolist() == pytest.approx(want)
+            assert [x["adv"] for x in g] == pytest.approx(want)
         centred += [x - mean for x in r]
-        lengths += [len(c) for c in g["completions"]]
-        text = dict((t, c) for t, c in zip(g["texts"], g["completions"]))["I give up"]
+        lengths += [len(x["completion"]) for x in g]
+        text = dict((x["text"], x["completion"]) for x in g)["I give up"]
         assert text.tolist() == tok("I give up", add_special_tokens=False).input_ids + [tok.eos_token_id]
-        assert g["truncated"][2:] == [False, False]
+        assert [x["truncated"] for x in g[2:]] == [False, False]
     if estimator == "reinforce_plus_plus_baseline":  # whitened over the step's tokens, each row |o_i| times
         tokens = [c for c, n in zip(centred, lengths) for _ in range(n)]
         mu, var = statistics.mean(tokens), statistics.variance(tokens)
-        assert sum((g["adv"].tolist() for g in groups), []) == pytest.approx([(c - mu) / math.sqrt(var + 1e-8)
-                                                                              for c in centred])
+        assert [x["adv"] for x in rows] == pytest.approx([(c - mu) / math.sqrt(var + 1e-8) for c in centred])
 
 
 def test_a_step_that_trains_nothing_logs_no_entropy(loaded):
@@ -3201,7 +3203,8 @@ def test_a_non_finite_step_is_not_applied(loaded):
     grpo.train_step(model, None, opt, groups, a)  # a state to keep
     before = {k: v.clone() for k, v in model.state_dict().items()}
     state = copy.deepcopy(opt.state_dict())
-    groups[0]["rewards"] = torch.tensor([float("nan"), 1.0, -1.0, 0.0])
+    for row, reward in zip(groups, [float("nan"), 1.0, -1.0, 0.0]):
+        row["reward"] = reward
     m = grpo.train_step(model, None, opt, groups, a)
     assert m["train/not_finite"] == 1.0 and "grad/norm" not in m and "loss" not in m
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -3363,7 +3366,8 @@ def test_a_diverged_model_stops_sampling_with_one_line(loaded):
         next(p for n, p in model.named_parameters() if "lora_B" in n).fill_(math.inf)
     for greedy in (False, True):
         with pytest.raises(SystemExit, match="logits are not finite: training diverged; lower --learning-rate"):
-            grpo.generate(model, tok, [grpo.chat_prompt(tok, "1+1?", "")], 2, a, greedy=greedy)
+            grpo.generate(model, tok, [{"record": {"prompt": "1+1?", "answer": "2"}} for _ in range(2)], a,
+                          greedy=greedy)
 
 
 
@@ -3396,12 +3400,15 @@ def test_a_completion_with_two_tool_turns_by_hand(tools_loaded, monkeypatch):
     Qwen2.5's template writes them and the next turn's start; the tool mask is 1 on the drawn tokens alone, the
     sampler's log-probs NaN on the others; only the row that called draws again, after all it holds."""
     a, model, tok, tools = tools_loaded
-    a = replace(a, max_new_tokens=500)
+    a = replace(a, max_new_tokens=500, system_prompt="")
     turns = [CALL.format("6*7"), "Two more. " + CALL.format("2**10") + CALL.format("1/0"), "\\boxed{42}"]
     held = []
     monkeypatch.setattr(grpo, "sample", scripted(tok, [[turns[0], "\\boxed{1}"], turns[1:2], turns[2:]], held))
     prompt = grpo.chat_prompt(tok, "What is 6*7?", "", tools)
-    prompts, comps, truncated, logps, masks, calls = grpo.generate(model, tok, [prompt], 2, a, tools=tools)
+    rows = [{"record": {"prompt": "What is 6*7?", "answer": "42"}} for _ in range(2)]
+    grpo.generate(model, tok, rows, a, tools=tools)
+    prompts, comps, truncated, logps, masks, calls = ([r[k] for r in rows] for k in (
+        "prompt_ids", "completion", "truncated", "logp", "tool_mask", "tool_calls"))
     ids = lambda text: tok(text, add_special_tokens=False).input_ids  # noqa: E731
     eos = [tok.eos_token_id]
     results = [RESULTS.format(RESULT.format(42)),
@@ -3432,15 +3439,18 @@ def test_t_counts_the_tools_tokens_and_max_tool_calls_ends_a_completion(tools_lo
         held = []
         monkeypatch.setattr(grpo, "sample", scripted(tok, [turns[:1], turns[1:2], turns[2:]], held))
         b = replace(a, max_new_tokens=T, max_tool_calls=limit)
-        _, comps, truncated, _, masks, calls = grpo.generate(model, tok, ["q"], 1, b, tools=tools)
+        rows = grpo.generate(model, tok, [{"record": {"prompt": "q", "answer": "42"}}], b, tools=tools)
+        comps, truncated, masks, calls = ([r[k] for r in rows] for k in ("completion", "truncated", "tool_mask",
+                                                                          "tool_calls"))
         assert len(comps[0]) == want_len and truncated == [cut] and len(calls[0]) == n_calls and len(held) == 2
         assert masks[0][first + len(ids(turns[1])) + 1:].tolist() == [0] * (5 if cut else 0)
         assert [c["result"] for c in calls[0]][1:] == (["1024", "error: ZeroDivisionError: division by zero"] if cut
                                                        else ["error: past --max-tool-calls"] * 2)
     T = len(ids(turns[0])) + 1 + len(ids("\n<|im_start|>user" + RESULT.format(42) + "<|im_end|>"))  # cut at its EOS
     monkeypatch.setattr(grpo, "sample", scripted(tok, [turns[:1]]))
-    comps, truncated = grpo.generate(model, tok, ["q"], 1, replace(a, max_new_tokens=T), tools=tools)[1:3]
-    assert comps[0][-1].item() == tok.eos_token_id and truncated == [True]  # the template's EOS, not the model's
+    row, = grpo.generate(model, tok, [{"record": {"prompt": "q", "answer": "42"}}], replace(a, max_new_tokens=T),
+                         tools=tools)
+    assert row["completion"][-1] == tok.eos_token_id and row["truncated"]  # the template's EOS, not the model's
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_the_sampler_draws_on_after_tool_results_as_the_trainer_reads_them(tools_loaded, compiled, monkeypatch):
@@ -3450,16 +3460,17 @@ def test_the_sampler_draws_on_after_tool_results_as_the_trainer_reads_them(tools
     a, model, tok, tools = tools_loaded
     a = replace(a, max_new_tokens=180)
     model = copy.deepcopy(model)
-    texts = [grpo.chat_prompt(tok, t, a.system_prompt, tools) for t in TEXTS]
+    texts = [grpo.chat_prompt(tok, t, a.system_prompt, tools) for t in TEXTS]  # as generate renders them
     first_turn = [len(tok(t, add_special_tokens=False).input_ids) for t in texts]
     real, first = grpo.sample, scripted(tok, [[CALL.format("6*7")] * 8], logp=math.nan)  # (no sampler's)
     monkeypatch.setattr(grpo, "sample", lambda *args: (first if len(args[2][0]) in first_turn else real)(*args))
     sampler = grpo.make_sampler(model, a, max(first_turn) + a.max_new_tokens, 8, True) if compiled else None
     torch.manual_seed(0)
-    prompts, comps, truncated, logps, masks, calls = grpo.generate(model, tok, texts, 4, a, sampler=sampler,
-                                                                   tools=tools)
+    rows = grpo.generate(model, tok, [{"record": {"prompt": t, "answer": ""}} for t in TEXTS for _ in range(4)], a,
+                         sampler=sampler, tools=tools)
+    logps, masks, calls = ([r[k] for r in rows] for k in ("logp", "tool_mask", "tool_calls"))
     assert all(len(c) == 1 for c in calls) and all(m[-1] == 1 and (m == 0).any() for m in masks)
-    logp, mask = trainer_logps(model, tok, a, prompts, comps, 4)
+    logp, mask = trainer_logps(model, tok, a, rows)
     drawn = (padded(masks, mask) == 1) & padded(logps, mask).isfinite() & (mask == 1)  # the real sampler's
     assert drawn.sum() > 100 and (logp - padded(logps, mask))[drawn].abs().max() < 1e-4
 
@@ -3783,9 +3794,9 @@ def test_an_environment_is_an_instance_a_completion_reset_with_its_record(env_lo
     held = []
     monkeypatch.setattr(grpo, "sample", scripted(tok, script, held))
     records = [{"prompt": "Guess.", "answer": "30", "seed": 30}, {"prompt": "Again.", "answer": "60", "seed": 60}]
-    episodes = [{"record": r} for r in records for _ in range(2)]
-    prompts, comps, truncated, logps, masks, calls = grpo.generate(model, tok, ["unused"] * 2, 2, a, tools=tools,
-                                                                   episodes=episodes)
+    episodes = grpo.generate(model, tok, [{"record": r} for r in records for _ in range(2)], a, tools=tools)
+    prompts, truncated, masks, calls = ([e[k] for e in episodes] for k in ("prompt_ids", "truncated", "tool_mask",
+                                                                            "tool_calls"))
     assert prompts[0].tolist() == tok(grpo.chat_prompt(tok, "Guess. (1..100)", a.system_prompt, tools),
                                       add_special_tokens=False).input_ids
     assert [[c["result"] for c in row] for row in calls] == [
@@ -3804,8 +3815,7 @@ def test_an_environment_is_an_instance_a_completion_reset_with_its_record(env_lo
         seen.append((env.guesses, env.done, len(tool_calls)))
         env.guesses = 99  # a copy: nothing to undo
         return float(env.done)
-    total = grpo.score(["a"] * 4, [r for r in records for _ in range(2)], [1] * 4, [("won", reward, 1.0)], a,
-                       [{**e, "tool_calls": c} for e, c in zip(episodes, calls)])[0]
+    total = grpo.score([dict(e, text="a", completion=[0]) for e in episodes], [("won", reward, 1.0)], a)[0]
     assert total.tolist() == [1, 1, 0, 1] and seen == [(2, True, 2), (1, True, 1), (0, False, 0), (1, True, 3)]
     assert episodes[0]["env"]["guesses"] == 2
 
@@ -3822,9 +3832,9 @@ def test_an_environment_that_fails_for_one_record_is_that_episode_s_error(tools_
         call = GUESS.format(50) if cls == "Guess" else '<tool_call>{"name": "ping", "arguments": {}}</tool_call>'
         monkeypatch.setattr(grpo, "sample", scripted(tok, [[call, call], ["done", "done"]]))
         episodes = [{"record": {"prompt": "Go.", "answer": "1", "seed": s}} for s in (60, -1)]
-        prompts, _, _, _, _, calls = grpo.generate(model, tok, ["", ""], 1, a, tools=tools, episodes=episodes)
-        assert [[c["result"] for c in row] for row in calls] == results
-        said = tok.decode(prompts[1])
+        grpo.generate(model, tok, episodes, a, tools=tools)
+        assert [[c["result"] for c in e["tool_calls"]] for e in episodes] == results
+        said = tok.decode(episodes[1]["prompt_ids"])
         assert results[1][0] in said  # (in its prompt: reset's text is the error)
         grpo.end_worker(tools)
 
@@ -3863,10 +3873,9 @@ def test_the_guessing_game_s_warm_start_plays_as_grpo_s_loop_renders_it(tools_di
     prompt, ids, mask = learn_env.transcript(tok, tools, ex, True, "", None)
     turns = [GUESS.format(n) for n, _ in learn_env.play(int(ex["answer"]), True, None)]
     monkeypatch.setattr(grpo, "sample", scripted(tok, [[t] for t in turns]))
-    episodes = [{"record": ex}]
-    _, comps, _, _, masks, calls = grpo.generate(model, tok, [""], 1, replace(a, max_new_tokens=400), tools=tools,
-                                                 episodes=episodes)
+    episodes = grpo.generate(model, tok, [{"record": ex}], replace(a, max_new_tokens=400), tools=tools)
     grpo.end_worker(tools)
+    comps, masks, calls = ([e[k] for e in episodes] for k in ("completion", "tool_mask", "tool_calls"))
     assert comps[0].tolist() == ids and masks[0].tolist() == mask and calls[0][-1]["result"] == "right"
     assert prompt == grpo.chat_prompt(tok, ex["prompt"], "", tools) and episodes[0]["env"]["won"]
 
@@ -3905,10 +3914,10 @@ def test_a_step_trains_the_model_s_tokens_alone_and_counts_them_alone(loaded, ag
     a = replace(a, loss_agg=agg, max_grad_norm=0.0, max_new_tokens=6, scale="std", micro_batch_size=3, beta=0.04,
                 tools="calculator")
     groups = tiny.fixed_groups(tok, REWARDS, a)
-    for g in groups:
-        g["tool_mask"] = [torch.tensor([float(j % 3 != 1) for j in range(len(c))]) for c in g["completions"]]
+    for row in groups:
+        row["tool_mask"] = torch.tensor([float(j % 3 != 1) for j in range(len(row["completion"]))])
     batch = {**grpo.collate(groups, tok.pad_token_id, "cpu"), "adv": adv_rows(groups, a)}
-    lengths = [len(c) for g in groups for c in g["completions"]]
+    lengths = [len(row["completion"]) for row in groups]
     mask = torch.tensor([[float(j < n and j % 3 != 1) for j in range(max(lengths))] for n in lengths])
     assert torch.equal(batch["mask"], mask) and (mask.sum(1) < torch.tensor(lengths)).sum() > 8
     update, _ = sgd_update(model, a, groups, tok.pad_token_id)
@@ -3934,13 +3943,13 @@ def test_the_reward_grades_the_model_s_text_and_gets_its_length_and_its_calls(to
         return float(len(tool_calls))
     stream = grpo.prompt_stream([{"prompt": "What is 6*7?", "answer": "42"}], 0)
     _, m, generated = grpo.rollout(model, tok, stream, [("judge", judge, 1.0)], None, a, {"prompts_drawn": 0}, tools=tools)
-    comps = generated[0]["completions"]
+    comps = [r["completion"] for r in generated]
     results = [["42"], ["error: ZeroDivisionError: division by zero", "2"], [], ["42"]]
-    assert seen == [(t, len(c), r) for t, c, r in zip(generated[0]["texts"], comps, results)]
+    assert seen == [(r["text"], len(c), res) for r, c, res in zip(generated, comps, results)]
     assert [t for t, _, _ in seen] == [CALL.format("6*7") + "\\boxed{42}", CALL.format("1/0") + CALL.format("2") +
                                        "\\boxed{2}", "\\boxed{3}", CALL.format("40+2")]  # no result's text
     assert "<tool_response>\n42\n</tool_response>" in tok.decode(comps[0], skip_special_tokens=True)  # (it holds)
-    assert generated[0]["rewards"].tolist() == [1, 2, 0, 1]
+    assert [r["reward"] for r in generated] == [1, 2, 0, 1]
     assert m["accuracy"] == 1 / 4 and m["tools/calls"] == 4 / 4 and m["tools/call_frac"] == 3 / 4  # the last: not 42
     assert m["tools/errors"] == 1 / 4 and m["tools/timeouts"] == 0  # 1/0 raised
     rows = grpo.sample_rows(generated, 1)
@@ -4034,13 +4043,12 @@ def test_dry_run_says_the_tool_mask(capsys):
             "and the template's tokens around them\n") in capsys.readouterr().out
 
 # ----------------------------------------------------------------------------- the compiled sampler
-def trainer_logps(model, tok, a, prompts, comps, n):
-    """The trainer's log-probs (and the sampler's, laid out alike) of generate()'s completions, through collate."""
-    groups = [dict(prompt_ids=p, completions=comps[i * n:(i + 1) * n], truncated=[False] * n, is_teacher=[False] * n,
-                   rewards=torch.zeros(n), order=i, per_fn={}, sampler_logp=[torch.zeros(len(c)) for c in
-                                                                             comps[i * n:(i + 1) * n]])
-              for i, p in enumerate(prompts)]
-    b = grpo.collate(groups, tok.pad_token_id, "cpu")
+def trainer_logps(model, tok, a, rows):
+    """The trainer's log-probs (and the sampler's, laid out alike) of generate()'s rows, through collate (mask 1 on
+    every token of a completion, the tools' too)."""
+    rows = [dict(r, tool_mask=torch.ones(len(r["completion"])), reward=0.0, rewards={}, order=0, is_teacher=False)
+            for r in rows]
+    b = grpo.collate(rows, tok.pad_token_id, "cpu")
     with torch.no_grad(), grpo.autocast(a, b["input_ids"].device):
         logp, _ = grpo.token_logps(model, b["input_ids"], b["attention_mask"], b["mask"].shape[1], a.temperature)
     return logp, b["mask"]
@@ -4063,19 +4071,19 @@ def test_compiled_sampler_draws_what_the_uncompiled_one_draws(loaded, loaded_bf1
     relative error, about 0.01 each, and a log-prob a few of them: 0.05 at most, far below a stale weight's gap."""
     a, model, tok = loaded if dtype == "fp32" else loaded_bf16
     model = copy.deepcopy(model)
-    texts = [grpo.chat_prompt(tok, t, a.system_prompt) for t in TEXTS]
+    records = [{"prompt": t, "answer": ""} for t in TEXTS for _ in range(a.num_generations)]
     torch.manual_seed(0)
-    plain = grpo.generate(model, tok, texts, a.num_generations, a)[:4]
+    plain = grpo.generate(model, tok, [{"record": ex} for ex in records], a)
     sampler = grpo.make_sampler(model, a, 300, 8, compiled=True)
     torch.manual_seed(0)
-    prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a, sampler=sampler)[:4]
-    same = [torch.equal(x, y) for x, y in zip(plain[1], comps)]
+    rows = grpo.generate(model, tok, [{"record": ex} for ex in records], a, sampler=sampler)
+    same = [torch.equal(x["completion"], y["completion"]) for x, y in zip(plain, rows)]
     assert all(same) if dtype == "fp32" else sum(same) >= len(same) - 2, same  # bf16: a near-tie may flip a draw
-    assert [torch.equal(x, y) for x, y in zip(plain[0], prompts)] and truncated == plain[2]
-    for sampler in (plain[3], logps):
-        logp, mask = trainer_logps(model, tok, a, plain[0] if sampler is plain[3] else prompts,
-                                   plain[1] if sampler is plain[3] else comps, a.num_generations)
-        gap = (logp - padded(sampler, mask)).abs() * mask
+    assert all(torch.equal(x["prompt_ids"], y["prompt_ids"]) for x, y in zip(plain, rows))
+    assert [r["truncated"] for r in rows] == [r["truncated"] for r in plain]
+    for sampled in (plain, rows):
+        logp, mask = trainer_logps(model, tok, a, sampled)
+        gap = (logp - padded([r["logp"] for r in sampled], mask)).abs() * mask
         assert gap.max() < atol, gap.max()
 
 
@@ -4086,27 +4094,24 @@ def test_compiled_sampler_reads_this_step_s_weights_and_compiles_once(loaded):
     a, model, tok = loaded
     model = copy.deepcopy(model)
     a = replace(a, learning_rate=0.05)
-    texts = [grpo.chat_prompt(tok, t, a.system_prompt) for t in TEXTS]
+    records = [{"prompt": t, "answer": ""} for t in TEXTS]
     sampler = grpo.make_sampler(model, a, 300, 8, compiled=True)
     opt = grpo.make_optimizer(a, model)
     ptrs = [p.data_ptr() for p in model.parameters()]
-    prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a, sampler=sampler)[:4]
+    rows = grpo.generate(model, tok, [{"record": ex} for ex in records for _ in range(4)], a, sampler=sampler)
     old = copy.deepcopy(model)
     with torch.compiler.set_stance("fail_on_recompile"):
         for step in range(2):
-            groups = [dict(prompt_ids=p, completions=comps[i * 4:(i + 1) * 4], truncated=truncated[i * 4:(i + 1) * 4],
-                           is_teacher=[False] * 4, rewards=torch.tensor([1.0, 0, 0, 1]), order=i, per_fn={},
-                           sampler_logp=logps[i * 4:(i + 1) * 4])
-                      for i, p in enumerate(prompts)]
-            m = grpo.train_step(model, None, opt, groups, a)
+            for i, r in enumerate(rows):
+                r.update(reward=[1.0, 0, 0, 1][i % 4], rewards={}, order=i // 4, is_teacher=False)
+            m = grpo.train_step(model, None, opt, rows, a)
             assert m["sampler/logp_gap"] < 1e-4  # sampled at the weights the trainer starts the step from
-            grpo.generate(model, tok, texts[:1], 1, a, greedy=True, sampler=sampler)  # evaluation's: same shape
-            grpo.sample(model, tok, prompts[:1], 3, a, sampler=sampler)  # a tool turn's: fewer rows and tokens
-            prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a,
-                                                             sampler=sampler)[:4]
-            now, mask = trainer_logps(model, tok, a, prompts, comps, 4)
-            stale, _ = trainer_logps(old, tok, a, prompts, comps, 4)
-            drawn = padded(logps, mask)
+            grpo.generate(model, tok, [{"record": records[0]}], a, greedy=True, sampler=sampler)  # evaluation's: same shape
+            grpo.sample(model, tok, [rows[0]["prompt_ids"]], 3, a, sampler=sampler)  # a tool turn's: fewer rows, tokens
+            rows = grpo.generate(model, tok, [{"record": ex} for ex in records for _ in range(4)], a, sampler=sampler)
+            now, mask = trainer_logps(model, tok, a, rows)
+            stale, _ = trainer_logps(old, tok, a, rows)
+            drawn = padded([r["logp"] for r in rows], mask)
             assert ((now - drawn).abs() * mask).max() < 1e-4
             assert ((stale - drawn).abs() * mask).max() > 0.05  # what a stale sampler would show
             old = copy.deepcopy(model)
@@ -4124,13 +4129,11 @@ def test_the_sampler_draws_at_its_temperature(loaded, temperature):
     with torch.no_grad():  # logits 3 times a random tiny model's (tied to the input embeddings): the temperature
         model.get_output_embeddings().weight.mul_(3.0)  # shows (entropy 1.2 nats at T = 0.5, 5.5 at T = 2)
     a = replace(a, temperature=temperature)
-    texts = [grpo.chat_prompt(tok, t, a.system_prompt) for t in TEXTS]
     torch.manual_seed(0)
-    prompts, comps, _, _ = grpo.generate(model, tok, texts, 16, a)[:4]
-    groups = [dict(prompt_ids=p, completions=comps[i * 16:(i + 1) * 16], truncated=[False] * 16, order=i, per_fn={},
-                   is_teacher=[False] * 16, rewards=torch.zeros(16), sampler_logp=[torch.zeros(1)] * 16)
-              for i, p in enumerate(prompts)]
-    b = grpo.collate(groups, tok.pad_token_id, "cpu")
+    rows = grpo.generate(model, tok, [{"record": {"prompt": t, "answer": ""}} for t in TEXTS for _ in range(16)], a)
+    for i, r in enumerate(rows):
+        r.update(reward=0.0, rewards={}, order=i // 16, is_teacher=False)
+    b = grpo.collate(rows, tok.pad_token_id, "cpu")
     with torch.no_grad():
         logp, entropy = grpo.token_logps(model, b["input_ids"], b["attention_mask"], b["mask"].shape[1], temperature)
     d = (logp + entropy)[b["mask"].bool()]
@@ -4147,8 +4150,8 @@ def test_tis_weights_each_token_by_the_truncated_ratio(loaded):
     b = grpo.collate(groups, tok.pad_token_id, "cpu")
     with torch.no_grad():
         logp, _ = grpo.token_logps(model, b["input_ids"], b["attention_mask"], b["mask"].shape[1])
-    for g, rows in zip(groups, logp.split(4)):
-        g["sampler_logp"] = [r[:len(c)] - math.log(2) for r, c in zip(rows, g["completions"])]
+    for row, lp in zip(groups, logp):
+        row["logp"] = lp[:len(row["completion"])] - math.log(2)
     base, _ = sgd_update(model, a, tiny.fixed_groups(tok, [[1.0, 0.0, 0.5, 0.2], [0.0, 1.0, 1.0, 0.3]], a),
                          tok.pad_token_id)
     for c, factor in ((1.5, 1.5), (3.0, 2.0)):
@@ -4170,7 +4173,7 @@ def test_opsm_at_delta_0_drops_rows_on_rounding_noise_alone_and_its_metric_shows
     with torch.no_grad():
         logp, _ = grpo.token_logps(model, b["input_ids"], b["attention_mask"], b["mask"].shape[1])
     drift = (torch.where(b["mask"] > 0, b["sampler_logp"] - logp, 0).sum(-1) / b["mask"].sum(-1)).tolist()
-    adv = sum((g["adv"].tolist() for g in groups), [])
+    adv = [r["adv"] for r in groups]
     lengths = b["mask"].sum(-1).tolist()
     dropped = sum(n for n, d, A in zip(lengths, drift, adv) if A < 0 and d > 0)
     m = grpo.train_step(copy.deepcopy(model), None, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0),
@@ -4193,21 +4196,19 @@ def test_the_sampler_s_logps_are_the_trainer_s_at_a_temperature_and_under_top_k_
             if "lora_B" in n:
                 p.normal_(std=0.2)  # logits spread wider than a random tiny model's: the temperature shows
     a = replace(a, **kw)
-    texts = [grpo.chat_prompt(tok, t, a.system_prompt) for t in TEXTS]
     torch.manual_seed(0)
-    prompts, comps, truncated, logps = grpo.generate(model, tok, texts, a.num_generations, a)[:4]
-    logp, mask = trainer_logps(model, tok, a, prompts, comps, a.num_generations)
-    drawn = padded(logps, mask)
+    rows = grpo.generate(model, tok, [{"record": {"prompt": t, "answer": ""}} for t in TEXTS for _ in range(4)], a)
+    logp, mask = trainer_logps(model, tok, a, rows)
+    drawn = padded([r["logp"] for r in rows], mask)
     assert ((logp - drawn).abs() * mask).max() < 1e-4
-    at_1, _ = trainer_logps(model, tok, replace(a, temperature=1.0), prompts, comps, a.num_generations)
+    at_1, _ = trainer_logps(model, tok, replace(a, temperature=1.0), rows)
     assert ((at_1 - drawn).abs() * mask).max() > 0.05  # what a sampler (or trainer) ignoring it would show
-    groups = [dict(prompt_ids=p, completions=comps[i * 4:(i + 1) * 4], truncated=truncated[i * 4:(i + 1) * 4],
-                   is_teacher=[False] * 4, rewards=torch.tensor([1.0, 0, 0, 1]), order=i, per_fn={},
-                   sampler_logp=logps[i * 4:(i + 1) * 4]) for i, p in enumerate(prompts)]
-    m = grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), groups, a)
+    for i, r in enumerate(rows):
+        r.update(reward=[1.0, 0, 0, 1][i % 4], rewards={}, order=i // 4, is_teacher=False)
+    m = grpo.train_step(model, None, torch.optim.SGD(model.parameters(), lr=0.0), rows, a)
     assert m["sampler/logp_gap"] < 1e-4
     if a.top_k:
-        b = grpo.collate(groups, tok.pad_token_id, "cpu")
+        b = grpo.collate(rows, tok.pad_token_id, "cpu")
         with torch.no_grad():
             pos = (b["attention_mask"].cumsum(-1) - 1).clamp(min=0)
             hidden = model.get_decoder()(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
@@ -4504,8 +4505,10 @@ def test_a_sampler_far_from_the_trainer_stops_the_run(tiny_dir, tmp_path, monkey
     real = grpo.generate
 
     def broken(*args, **kw):  # log-probs off by 1 nat, as a broken KV cache's or a stale weight's would be
-        prompts, comps, truncated, logps, *tools = real(*args, **kw)
-        return prompts, comps, truncated, [lp - 1.0 for lp in logps], *tools
+        rows = real(*args, **kw)
+        for r in rows:
+            r["logp"] = r["logp"] - 1.0
+        return rows
     monkeypatch.setattr(grpo, "generate", broken)
     with pytest.raises(SystemExit, match="the sampler's log-probs are 1.000 nat from the trainer's on average .*"
                                          "--compile-generate off"):
@@ -5375,12 +5378,14 @@ def test_each_rank_samples_and_draws_teachers_of_its_own_from_one_prompt_order(t
                              "--teacher-pool", pool, "--teacher-per-group", "3"] + NO_EVAL)
         run = grpo.start(a)
         order = [next(run.stream)["prompt"] for _ in range(12)]
-        groups = grpo.rollout(run.model, run.tok, itertools.repeat(one), run.reward_fns, run.pool, a, run.state, None,
-                              rank, 2)[2]
+        rows = grpo.rollout(run.model, run.tok, itertools.repeat(one), run.reward_fns, run.pool, a, run.state, None,
+                            rank, 2)[2]
         for f in (run.bar, run.log, run.samples) if rank == 0 else ():
             f.close()
         lora = torch.cat([p.detach().flatten() for p in run.model.parameters() if p.requires_grad]).tolist()
-        return order, [c.tolist() for g in groups for c in g["completions"][:4]], [g["texts"][4:] for g in groups], lora
+        assert [r["is_teacher"] for r in rows] == ([False] * 4 + [True] * 3) * (len(rows) // 7) and rows
+        return (order, [r["completion"].tolist() for r in rows if not r["is_teacher"]],
+                [r["text"] for r in rows if r["is_teacher"]], lora)
     order, samples, teachers, lora = draws(0, "zero")
     other = draws(1, "one")
     assert other[3] == lora  # one LoRA init: the gradients are summed over ranks onto the same weights
@@ -5451,12 +5456,13 @@ torch.manual_seed(0)
 model, tok, _ = grpo.load_model(a, device)
 train, _ = grpo.load_data(a)
 real, drawn = grpo.generate, []
-def recording(model, tok, texts, n, a, greedy=False, **kw):  # what each rank's evaluation draws
-    out = real(model, tok, texts, n, a, greedy=greedy, **kw)
-    drawn.append([greedy, len(texts), [c.tolist() for c in out[1]]])
+def recording(model, tok, rows, a, greedy=False, **kw):  # what each rank's evaluation draws: prompts, completions
+    out = real(model, tok, rows, a, greedy=greedy, **kw)
+    drawn.append([greedy, len({id(r["record"]) for r in rows}), [r["completion"].tolist() for r in out]])
     return out
 grpo.generate = recording  # the model's own samples, of 4 copies of one prompt: 2 on each of 2 ranks
-scores = grpo.evaluate(model, tok, [train[0]] * 4, dataclasses.replace(a, eval_samples=2), rank, world)
+scores = grpo.evaluate(model, tok, [dict(train[0]) for _ in range(4)], dataclasses.replace(a, eval_samples=2), rank,
+                       world)
 result["sampled"] = [scores, grpo.all_gather(drawn)]
 grpo.generate = real
 torch.manual_seed(1000 * rank)
@@ -5470,23 +5476,30 @@ for case, schedule in SCHEDULES.items():
                                   {"prompts_drawn": 0}, None, rank, world)
     if stats["groups/kept"]:  # the advantages, as the step makes them
         stats.update(grpo.prepare(model, None, kept, a, {})[-1])
-    groups = sum(grpo.all_gather([[g["prompt"], g["rewards"].tolist(), g["adv"].tolist()] for g in kept]), [])
+    mine = {}  # a kept group's prompt, rewards, advantages
+    for r in kept:
+        g = mine.setdefault(r["order"], [r["record"]["prompt"], [], []])
+        g[1].append(r["reward"])
+        g[2].append(r["adv"])
+    groups = sum(grpo.all_gather(list(mine.values())), [])
     result[case] = [sorted(groups), {k: v for k, v in stats.items() if k.startswith(("groups/kept", "groups/gen",
                                                                                       "adv/"))}]
-def generate(model, tok, texts, n, a, greedy=False, sampler=None, tools=None, episodes=None, temps=None):  # completions set by a prompt's k
-    rows = [(int(t.split("Question ")[1].split("?")[0]), j) for t in texts for j in range(n)]
-    comps = [tok(f"\\boxed{{{k % 3 if greedy else (k + j) % 2}}}" + " so" * (k % 4 + j), add_special_tokens=False)
-             .input_ids + [tok.eos_token_id] * ((k + j) % 3 > 0) for k, j in rows]  # (k + j) % 3 == 0: truncated
-    prompts = [tok(t, add_special_tokens=False, return_tensors="pt").input_ids[0] for t in texts]
-    odd = [places.index(f"Question {k}?") % 2 for k, _ in rows]  # its place in a round: odd on rank 1 of 2
-    called = [(k + j) % 2 * (1 + o) for (k, j), o in zip(rows, odd)]  # calls: twice as many on rank 1 of 2; their
-    # results: the completion's 3rd and 4th tokens, a tool's
-    calls = [[{"name": "calculator", "arguments": {}, "result": "1", **({"error": True} if k % 4 == 1 else {})}] * c
-             for (k, _), c in zip(rows, called)]
-    return (prompts, [torch.tensor(c) for c in comps], [(k + j) % 3 == 0 for k, j in rows],
-            [torch.full((len(c),), -30.0 * o) for o, c in zip(odd, comps)],  # the sampler's: 30 nat off on rank 1
-            [torch.tensor([float(not c or i not in (2, 3)) for i in range(len(ids))]) for c, ids in zip(called, comps)],
-            calls)
+def generate(model, tok, rows, a, greedy=False, sampler=None, tools=None):  # completions set by a prompt's k
+    for i, r in enumerate(rows):  # the j-th row of prompt k
+        k = int(r["record"]["prompt"].split("Question ")[1].split("?")[0])
+        j = [q["record"] for q in rows[:i]].count(r["record"])
+        comp = tok(f"\\boxed{{{k % 3 if greedy else (k + j) % 2}}}" + " so" * (k % 4 + j), add_special_tokens=False
+                   ).input_ids + [tok.eos_token_id] * ((k + j) % 3 > 0)  # (k + j) % 3 == 0: truncated
+        odd = places.index(f"Question {k}?") % 2  # its place in a round: odd on rank 1 of 2
+        called = (k + j) % 2 * (1 + odd)  # calls: twice as many on rank 1 of 2; their results: the completion's 3rd
+        mask = torch.tensor([float(not called or t not in (2, 3)) for t in range(len(comp))])  # and 4th tokens
+        r.update(prompt_ids=torch.tensor(tok(grpo.prompt_text(tok, r["record"], a, tools), add_special_tokens=False
+                                             ).input_ids), completion=torch.tensor(comp), truncated=(k + j) % 3 == 0,
+                 logp=torch.full((len(comp),), -30.0 * odd), tool_mask=mask,  # the sampler's: 30 nat off on rank 1
+                 tool_calls=[{"name": "calculator", "arguments": {}, "result": "1",
+                              **({"error": True} if k % 4 == 1 else {})}] * called,
+                 text=tok.decode(torch.tensor(comp)[mask > 0], skip_special_tokens=True))  # the model's tokens
+    return rows
 def graded(completion, answer, prompt, tool_calls, **kw):  # prompts 3, 6, ...: an equal-reward group
     return 0.5 if int(prompt.split()[1][:-1]) % 3 == 0 else float(grpo.is_correct(completion, answer)) + len(tool_calls)
 grpo.generate = generate  # every rank's rows in the step's metrics and in the evaluation, as one process has them

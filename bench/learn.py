@@ -43,10 +43,10 @@ def warmup(model_dir, data, steps, seed=0, hidden=64, layers=2):
         batch = [rng.choice(seen) for _ in range(16)]
         prompts = [tok(grpo.chat_prompt(tok, ex["prompt"], ""), add_special_tokens=False).input_ids for ex in batch]
         answers = [tok(ex["answer"], add_special_tokens=False).input_ids + [tok.eos_token_id] for ex in batch]
-        groups = [dict(prompt_ids=torch.tensor(p), completions=[torch.tensor(c)], truncated=[False], order=0, per_fn={},
-                       is_teacher=[False], rewards=torch.zeros(1), sampler_logp=[torch.zeros(len(c))])
-                  for p, c in zip(prompts, answers)]
-        b = grpo.collate(groups, tok.pad_token_id, "cpu")
+        rows = [dict(record=ex, prompt_ids=torch.tensor(p), completion=torch.tensor(c), truncated=False, order=0,
+                     is_teacher=False, reward=0.0, rewards={}, logp=torch.zeros(len(c)), tool_mask=torch.ones(len(c)))
+                for ex, p, c in zip(batch, prompts, answers)]
+        b = grpo.collate(rows, tok.pad_token_id, "cpu")
         logp, _ = grpo.token_logps(model, b["input_ids"], b["attention_mask"], b["mask"].shape[1])
         loss = -(logp * b["mask"]).sum() / b["mask"].sum()
         loss.backward()

@@ -77,10 +77,13 @@ def split_files():
 
 def supervised_batch(tok, pairs):
     """(prompt text, completion text) pairs -> grpo.collate's batch, the loss on the completion (+ EOS) only."""
-    groups = [dict(prompt_ids=torch.tensor(tok(p, add_special_tokens=False).input_ids), completions=[torch.tensor(
-        tok(c, add_special_tokens=False).input_ids + [tok.eos_token_id])], truncated=[False], order=0, per_fn={},
-        is_teacher=[False], rewards=torch.zeros(1), sampler_logp=[torch.zeros(1)]) for p, c in pairs]
-    return grpo.collate(groups, tok.pad_token_id, "cpu")
+    rows = []
+    for p, c in pairs:
+        completion = torch.tensor(tok(c, add_special_tokens=False).input_ids + [tok.eos_token_id])
+        rows.append(dict(record={"prompt": p, "answer": c}, prompt_ids=torch.tensor(tok(p, add_special_tokens=False)
+                         .input_ids), completion=completion, truncated=False, order=0, is_teacher=False, reward=0.0,
+                         rewards={}, logp=torch.zeros(len(completion)), tool_mask=torch.ones(len(completion))))
+    return grpo.collate(rows, tok.pad_token_id, "cpu")
 
 
 def warm_start(model_dir, train, evals, seed=0, max_steps=3000, check_every=50):

@@ -148,12 +148,12 @@ def check(model, tok, tools, evals, a) -> dict:
     """Sampled completions (4 a prompt) of 32 held-out prompts through grpo.py's loop with the calculator: the
     share that call, and the accuracy of those that call and of those that do not."""
     from rewards import is_correct
-    texts = [grpo.chat_prompt(tok, ex["prompt"], a.system_prompt, tools) for ex in evals[:32]]
+    rows = [{"record": ex} for ex in evals[:32] for _ in range(4)]  # (generate renders each prompt)
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        _, comps, _, _, masks, calls = grpo.generate(model, tok, texts, 4, a, tools=tools)
-    right = [is_correct(t, evals[i // 4]["answer"]) for i, t in enumerate(grpo.model_text(tok, comps, masks))]
-    called = [bool(c) for c in calls]
+        grpo.generate(model, tok, rows, a, tools=tools)
+    right = [is_correct(r["text"], r["record"]["answer"]) for r in rows]  # the model's tokens, no tool's
+    called = [bool(r["tool_calls"]) for r in rows]
 
     def share(xs):
         return statistics.mean(xs) if xs else math.nan

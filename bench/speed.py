@@ -155,19 +155,18 @@ def child_floor(model_dir, workload, steps, device, tmp):
     out = []
     for step in range(steps + 1):
         t0 = time.perf_counter()
-        texts = [grpo.chat_prompt(tok, d["prompt"], SYSTEM) for d in data(workload)[step * B:(step + 1) * B]]
-        prompts, comps = grpo.generate(model, tok, texts, G, a)[:2]
-        groups = [dict(prompt_ids=prompts[i], completions=comps[i * G:(i + 1) * G], truncated=[False] * G,
-                       order=i, per_fn={}, is_teacher=[False] * G, rewards=torch.zeros(G),
-                       sampler_logp=[torch.zeros(len(c)) for c in comps[i * G:(i + 1) * G]]) for i in range(B)]
-        b = grpo.collate(groups, tok.pad_token_id, device)
+        rows = [{"record": d} for d in data(workload)[step * B:(step + 1) * B] for _ in range(G)]
+        grpo.generate(model, tok, rows, a)  # (each prompt rendered with --system-prompt SYSTEM)
+        for i, r in enumerate(rows):
+            r.update(order=i // G, is_teacher=False, reward=0.0, rewards={})
+        b = grpo.collate(rows, tok.pad_token_id, device)
         logp, _ = grpo.token_logps(model, b["input_ids"], b["attention_mask"], b["mask"].shape[1])
         (-(logp * b["mask"]).sum() / (B * G * T)).backward()
         opt.step()
         opt.zero_grad()
         if device == "cuda":
             torch.cuda.synchronize()
-        out.append((time.perf_counter() - t0, sum(len(c) for c in comps)))
+        out.append((time.perf_counter() - t0, sum(len(r["completion"]) for r in rows)))
     return out[1:]
 
 
