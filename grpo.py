@@ -1611,7 +1611,7 @@ def end_step(run, a: Args, step: int, m: dict, generated: list[dict]) -> bool:
     m = {"step": step, **m, "tokens_per_second": m["completion/tokens"] / (time.time() - run.t0)}
     write_log(run, a, m, samples)
     if step == run.start + 1:  # a broken reward or chat template shows here, not an hour later
-        for r in sample_rows(generated[:1], step):
+        for r in sample_rows(generated[:group_size(a)], step):  # its first group
             run.bar.write(f"grpo: reward {r['reward']:.3g} {r['rewards']}: {r['completion'][:50]!r}",
                           file=sys.stderr)
     run.flat = run.flat + 1 if m["groups/equal_frac"] == 1 or run.flat >= FLAT_STEPS else 0
