@@ -469,10 +469,10 @@ def make_optimizer(a: Args, model):
     return optimizer(params, lr=a.learning_rate, weight_decay=a.weight_decay)
 
 # ----------------------------------------------------------------------------- generate
-# A step: at_step (its flags) -> rollout: draw B prompts, generate G_s completions each (and G_t from the
-# pool), score, select_groups -> train_step: prepare (collate this rank's rows; step_inputs: what probe finds
-# the terms read; gather_step: every rank's rows as one process has them, `mine` this rank's; step_terms: R,
-# A, the loss mask) -> per micro-batch token_objective, aggregate_loss, backward -> the gradient summed over
+# A step: at_step (its flags) -> rollout: draw B prompts, generate G_s rows each (a row: a completion, its
+# record; G_t from the pool), score, select_groups -> train_step: prepare (collate; step_inputs: what probe
+# finds the terms read; gather_step: all ranks' rows as one process has them, `mine` this rank's; step_terms:
+# R, A, the loss mask) -> per micro-batch token_objective, aggregate_loss, backward -> gradients summed over
 # ranks -> the update -> step_stats. A term reads inputs by name (b["ref_logp"]); its memory: state.
 def at_step(a: Args, state: dict, step: int) -> Args:
     """The flags step `step` uses: the sampler, rewards, terms, optimizer and evaluation read this copy, one
@@ -1675,14 +1675,14 @@ def main(argv=None):
                 raise KeyboardInterrupt
             run.t0 = time.time()
             t = at_step(a, run.state, step)  # the flags as this step uses them
-            groups, m, generated = rollout(run.model, run.tok, run.stream, run.reward_fns, run.pool, t,
+            rows, m, generated = rollout(run.model, run.tok, run.stream, run.reward_fns, run.pool, t,
                                            run.state, run.sampler, run.rank, run.world, run.tools)
             run.busy = True  # from here to the end of the step (or of the run), a signal waits for it
             t1 = time.time()
             for g in run.opt.param_groups:
                 g["lr"] = m["lr"] = t.learning_rate
             if m["groups/kept"]:  # the same on every rank; 0 when dynamic sampling kept nothing by its cap
-                m.update(train_step(run.model, run.ref_model, run.opt, groups, t, run.state))
+                m.update(train_step(run.model, run.ref_model, run.opt, rows, t, run.state))
             m["time/train"] = time.time() - t1
             if a.eval_every and run.evals and (step % a.eval_every == 0 or step == a.max_steps):
                 m.update(evaluate(run.model, run.tok, run.evals, t, run.rank, run.world, run.sampler,
