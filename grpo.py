@@ -184,9 +184,7 @@ def parse_args(argv=None) -> Args:
     rank = setup_distributed()[0]  # (under torchrun, the process group is made here: rank 0 reads the dir)
     if rank == 0 and out and not given.get("dry_run"):  # one run per dir, from before anything in it is read
         lock_output(out, wait=bool(given.get("resume")))  # --resume waits: a live run may be saving
-    ckpt = None  # on --resume, the checkpoint rank 0 finds
-    if rank == 0 and given.get("resume"):
-        ckpt = last_checkpoint(out, resume=given["resume"])
+    ckpt = last_checkpoint(out, resume=given["resume"]) if rank == 0 and given.get("resume") else None
     if given.get("resume"):  # every rank acts on rank 0's reading: continue (auto: start if no save was made)
         ckpt = all_gather(ckpt)[0]
         given.update(resume="on" if ckpt else "", overwrite=given.get("overwrite", False) or not ckpt)
@@ -264,6 +262,7 @@ def check_args(a: Args, typed=()):
          f"task has {HELD_OUT}"),
         (a.dataset and not a.eval_dataset and any(getattr(a, k) for k in typed if k.startswith("eval_")),
          "--eval-every, --eval-prompts and --eval-samples do nothing without --eval-dataset: add it"),
+        (a.tools and a.env, "--tools and --env: give one (an environment's public methods are its tools)"),
         (not (a.tools or a.env) and {"max_tool_calls", "tool_timeout"} & set(typed), "--max-tool-calls and "
          "--tool-timeout do nothing without --tools or --env: add one, or drop them"),
         (not a.rewards.strip(", ") and not a.reward_fn, "no reward: give --rewards and/or --reward-fn"),
@@ -355,9 +354,10 @@ def load_examples(source: str, split: str, graded: bool, reward_fns=(), keywords
             answer = format(decimal.Decimal(str(answer)), "f")  # Python's and numpy's: 0.00005, float32's 0.1
         answer = reference_answer(str(answer))  # graded: it is read, so not empty, not '####'
         bad = not given or graded and (not answer or "####" in answer)  # (nothing equals a NaN, JSON's 1e400)
-        if not isinstance(prompt, str) or not prompt.strip() or bad:
+        t = rec.get("temperature", 1)  # its prompt's sampling temperature, if it gives one
+        if not isinstance(prompt, str) or not prompt.strip() or bad or not (finite32(t) and t > 0):
             fail(f"{where}: each line needs a prompt (or GSM8K's question) and an answer (a string or a "
-                 f"finite number; GSM8K's: '... #### N'), neither empty")
+                 f"finite number; GSM8K's: '... #### N'), neither empty; a temperature, if any, above 0")
         out.append({**rec, "prompt": prompt, "answer": answer})
         fields = {k: v for k, v in out[-1].items() if k != "answer"}
         for name, fn, _ in reward_fns:  # bound as score() will call it: a field a reward needs is here
@@ -657,11 +657,13 @@ def load_tools(a: Args, tok, records=()) -> dict:
     if a.tools == "calculator":  # the built-in, rewards.py's
         path, names = inspect.getfile(calculator), ":calculator"
     try:
+        sys.path.insert(0, os.path.dirname(path))  # its folder's modules importable, as when it is run
         found = runpy.run_path(path)  # as --reward-fn's file; the calls run in a process of their own
         env = found.get(names[1:]) if a.env else None  # --env: the class, its methods offered bound (no self)
         if a.env and not (isinstance(env, type) and callable(getattr(env, "reset", None))):
             raise TypeError(f"no class {names[1:]!r} with a reset(self, **record): --env PATH.py:Class")
-        fns = {k: v.__get__(env) if a.env else v for k, v in (vars(env) if a.env else found).items()
+        fns = {k: v.__get__(env) if a.env else v  # (an --env's inherited methods too)
+               for k, v in (dict(inspect.getmembers(env)) if a.env else found).items()
                if inspect.isfunction(v) and v.__module__ == "<run_path>" and k[0] != "_" and k != "reset"}
         chosen = names[1:].split(",") if names and not a.env else list(fns)
         schemas = [get_json_schema(fns[k]) for k in chosen if k in fns]
@@ -777,6 +779,7 @@ def build_rewards(a: Args) -> list[tuple[str, object, float]]:
         path, _, name = a.reward_fn.rpartition(":")
         if not path.endswith(".py") or not os.path.isfile(path):
             fail(f"--reward-fn {a.reward_fn!r}: expected an existing PATH.py:FUNCTION")
+        sys.path.insert(0, os.path.dirname(os.path.abspath(path)))  # its folder's modules importable
         try:
             fn = runpy.run_path(path).get(name)  # the file's globals
         except SystemExit as e:  # sys.exit() as it loads: the run would end there, saying nothing

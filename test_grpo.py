@@ -2162,6 +2162,9 @@ def test_a_path_holding_an_at_or_a_colon_is_made_absolute_and_checked_on_resume(
     (['{"prompt": "a", "answer": "1"}', '{"prompt": "b", "answer": ["1", "2"]}'], "bad.jsonl:2: .* .a string or a finite number"),
     (['{"prompt": "a", "answer": {"n": 1}}'], "bad.jsonl:1: each line needs .* an answer .a string or a finite number"),
     (['{"prompt": "a", "answer": true}'], "bad.jsonl:1: each line needs .* an answer .a string or a finite number"),
+    (['{"prompt": "a", "answer": "1", "temperature": 0.7}', '{"prompt": "b", "answer": "1", "temperature": "hot"}'],
+     "bad.jsonl:2: each line needs .* a temperature, if any, above 0"),  # (its prompt's: refused before any run)
+    (['{"prompt": "a", "answer": "1", "temperature": 0}'], "bad.jsonl:1: each line needs .* a temperature, if any"),
     (['{"question": "a", "answer": "2+2=4\\n####"}'], "bad.jsonl:1: each line needs .* GSM8K's: '... #### N'"),
     (['{"prompt": "a", "answer": "1"}', '{"prompt": "x\\ud800", "answer": "1"}'], "bad.jsonl:2: '\\\\ud800' is half a "
                                                                             "surrogate pair, not text"),
@@ -3818,6 +3821,56 @@ def test_an_environment_is_an_instance_a_completion_reset_with_its_record(env_lo
     total = grpo.score([dict(e, text="a", completion=[0]) for e in episodes], [("won", reward, 1.0)], a)[0]
     assert total.tolist() == [1, 1, 0, 1] and seen == [(2, True, 2), (1, True, 1), (0, False, 0), (1, True, 3)]
     assert episodes[0]["env"]["guesses"] == 2
+
+
+NEIGHBOUR_FILES = {"helpers.py": "def double(x):\n    return 2 * x\n", "env.py": '''from helpers import double
+class Base:
+    def reset(self, **record):
+        self.total = 0
+    def add(self, k: int) -> str:
+        """Adds twice k to the total.
+
+        Args:
+            k: the number
+        """
+        self.total += double(k)
+        return str(self.total)
+class Child(Base):
+    pass
+''', "tools.py": '''from helpers import double
+def twice(x: int) -> int:
+    """Twice x.
+
+    Args:
+        x: the number
+    """
+    return double(x)
+''', "rw.py": "from helpers import double\ndef r(completion, answer, **kw):\n    return double(0.5)\n"}
+
+
+def test_a_file_imports_the_modules_beside_it_and_an_environment_offers_its_inherited_methods(tools_dir, tmp_path):
+    """A tools, environment or reward file that imports a module beside it loads in the trainer as in the tools'
+    process (its folder importable, as `python FILE` has it); an --env class's methods include those it inherits
+    (a subclass of an environment is an environment); --tools and --env together are refused at once."""
+    for name, text in NEIGHBOUR_FILES.items():
+        (tmp_path / name).write_text(text)
+    a = grpo.parse_args(["--model", tools_dir, "--reward-fn", f"{tmp_path}/rw.py:r"])
+    assert [(name, fn("", "")) for name, fn, _ in grpo.build_rewards(a)] == [("r", 1.0)]
+    tok = grpo.load_model(grpo.parse_args(["--model", tools_dir]), torch.device("cpu"))[1]
+    for flags, call, result in ((["--env", f"{tmp_path}/env.py:Child"], "add", "4"),
+                                (["--tools", f"{tmp_path}/tools.py"], "twice", "4")):
+        a = grpo.parse_args(["--model", tools_dir] + flags)
+        tools = grpo.load_tools(a, tok, [{"prompt": "p", "answer": "1"}])
+        try:
+            assert tools["names"] == [call]
+            row = {"record": {"prompt": "p", "answer": "1"}}
+            grpo.run_tool(tools, {"name": "reset"}, 0, row)
+            assert grpo.run_tool(tools, {"name": call, "arguments": {"k" if a.env else "x": 2}}, 0, row)["result"] \
+                == result
+        finally:
+            grpo.end_worker(tools)
+    with pytest.raises(SystemExit, match="^grpo: error: --tools and --env: give one"):
+        grpo.parse_args(["--model", tools_dir, "--tools", "calculator", "--env", f"{tmp_path}/env.py:Child"])
 
 
 def test_an_environment_that_fails_for_one_record_is_that_episode_s_error(tools_dir, tmp_path, monkeypatch):
