@@ -899,9 +899,9 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, state, sampler=None, 
     stats.update({"groups/gen_rounds": rounds, "groups/kept": len(chosen), **group_metrics(generated, a)})
     return [r for r in generated if r["order"] in chosen], stats, generated
 
-def group_metrics(mine: list[dict], a: Args) -> dict:
+def group_metrics(generated: list[dict], a: Args) -> dict:
     """Rewards, lengths and accuracy (by `correct`, whatever trains) of every rank's rows (whole groups)."""
-    rows = sum(all_gather(sample_rows(mine, 0)), [])
+    rows = sum(all_gather(sample_rows(generated, 0)), [])
     students = [r for r in rows if not r["teacher"]]
     reward = torch.tensor([r["reward"] for r in rows], dtype=torch.float64)
     length = torch.tensor([r["length"] for r in students], dtype=torch.float64)
@@ -920,7 +920,7 @@ def group_metrics(mine: list[dict], a: Args) -> dict:
     if a.tools or a.env:  # calls a completion; the share of completions that call, of calls that fail, time
         per = [len(r["tool_calls"]) for r in students]  # out; the model's turns an episode, the share done
         calls = [c for r in students for c in r["tool_calls"]] or [{}]  # ({}: no call, no error)
-        turns = [int((r["tool_mask"].diff() > 0).sum()) + 1 for r in mine if not r["is_teacher"]]
+        turns = [int((r["tool_mask"].diff() > 0).sum()) + 1 for r in generated if not r["is_teacher"]]
         out.update({"tools/calls": statistics.mean(per), "tools/call_frac": statistics.mean(map(bool, per))})
         out.update({f"tools/{k}s": statistics.mean(c.get(k, 0) for c in calls) for k in ("error", "timeout")})
         out["env/turns"] = statistics.mean(sum(all_gather(turns), []))
