@@ -83,8 +83,16 @@ def transcript(tok, tools, ex: dict, read: bool, system: str, rng):
     return grpo.chat_prompt(tok, ex["prompt"], system, tools), ids[:end], mask[:end]
 
 
-def warm_start(model_dir, train, steps, seed=0):
-    """The supervised warm start (module docstring), on one thread."""
+def warm_start(train, steps, seed=0) -> str:
+    """The supervised warm start (module docstring), on one thread: its folder, named by its settings and kept
+    there, so that a rerun (another RL protocol) reuses it."""
+    settings = dict(model=MODEL, vocab=VOCAB, games=len(train), read_share=READ_SHARE, steps=steps,
+                    batch=WARM_BATCH, lr=WARM_LR, seed=seed)
+    model_dir = os.path.join(OUT, f"env_warm_{zlib.crc32(json.dumps(settings).encode()):08x}")
+    done = os.path.join(model_dir, "warm.json")  # written last: a folder without it is retrained
+    if os.path.exists(done):
+        print(f"  warm start: {model_dir} (kept)", flush=True)
+        return model_dir
     torch.set_num_threads(1)
     rng = random.Random(seed)
     flags = ["--env", f"{GAME}:Guess", "--max-new-tokens", str(T), "--system-prompt", ""]  # (as the runs)
@@ -112,6 +120,9 @@ def warm_start(model_dir, train, steps, seed=0):
         if step % 100 == 0 or step == steps:
             print(f"  warm start: step {step} ({time.time() - t0:.0f} s): loss {loss.item():.3f}", flush=True)
     model.save_pretrained(model_dir)
+    with open(done, "w") as f:
+        json.dump(settings, f)
+    return model_dir
 
 
 def run_grpo(name, seed, model_dir, paths, steps, eval_prompts):
@@ -152,8 +163,7 @@ def main(argv=None):
     for path, rows in zip(paths, (train, evals)):
         with open(path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-    model_dir = os.path.join(OUT, "env_warm")
-    warm_start(model_dir, train, warm_steps)
+    model_dir = warm_start(train, warm_steps)
     seeds = [int(s) for s in args.seeds.split(",")]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two cores: two runs at a time, a thread each
         futures = {(name, s): pool.submit(run_grpo, name, s, model_dir, paths, steps, n_eval)
