@@ -41,9 +41,9 @@ import tiny  # noqa: E402
 OUT = os.path.join(BENCH, "out")
 GAME = os.path.join(BENCH, "guess_env.py")
 MODEL, VOCAB = dict(layers=4, hidden=128, heads=4, kv_heads=2), 1024
-N_TRAIN, EVAL_PROMPTS, READ_SHARE, LIMIT = 20000, 256, 0.5, 7
+N_TRAIN, EVAL_PROMPTS, READ_SHARE, LIMIT = 20000, 256, 0.8, 7
 WARM_STEPS, WARM_BATCH, WARM_LR = 600, 32, 2e-3
-B, G, T, LR, WARMUP, STEPS = 8, 8, 200, 5e-4, 5, 30
+B, G, T, LR, WARMUP, STEPS = 8, 8, 300, 3e-4, 5, 30  # (T: 7 guesses and their replies)
 PROMPT = "Find the hidden whole number from 1 to 100 in at most 7 guesses."
 RUNS = {"replies read": "Guess", "replies hidden": "Blind"}
 
@@ -126,21 +126,23 @@ def warm_start(train, steps, seed=0) -> str:
 
 
 def run_grpo(name, seed, model_dir, paths, steps, eval_prompts):
-    """grpo.py's run: held-out greedy success at the start and at the end, the mean reward (wins) at the first
-    step and over the last 5, and its wall-clock."""
+    """grpo.py's run: held-out success at the start and at the end, greedy and sampled (as the run samples: a
+    game each), the mean reward (wins) at the first step and over the last 5, and its wall-clock."""
     out = os.path.join(OUT, f"env_{RUNS[name]}_seed{seed}")
     flags = ["--prompts-per-step", str(B), "--num-generations", str(G), "--max-new-tokens", str(T), "--lora-r",
              "16", "--learning-rate", str(LR), "--warmup-steps", str(WARMUP), "--max-steps", str(steps),
              "--micro-batch-size", str(B * G), "--dtype", "fp32", "--eval-prompts", str(eval_prompts),
-             "--eval-every", str(steps), "--save-every", "0", "--algo", "drgrpo", "--system-prompt", "",
+             "--eval-every", str(steps), "--eval-samples", "1", "--save-every", "0", "--algo", "drgrpo",
+             "--system-prompt", "",
              "--env", f"{GAME}:{RUNS[name]}", "--reward-fn", f"{GAME}:won"]
     wall = lt.child([sys.executable, os.path.join(ROOT, "grpo.py"), "--model", model_dir, "--dataset", paths[0],
                      "--eval-dataset", paths[1], "--output-dir", out, "--seed", str(seed), "--overwrite"] + flags,
                     f"{name} (seed {seed})")
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    success = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+    evals = [r for r in rows if "eval/accuracy" in r]
     steps_ = [r for r in rows if "reward/mean" in r]
-    return {"success": (success[0], success[-1]), "wall": wall,
+    return {"success": (evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]), "wall": wall,
+            "sampled": (evals[0]["eval/mean@1"], evals[-1]["eval/mean@1"]),
             "wins": (steps_[0]["reward/mean"], statistics.mean(r["reward/mean"] for r in steps_[-5:]))}
 
 
@@ -169,25 +171,32 @@ def main(argv=None):
         futures = {(name, s): pool.submit(run_grpo, name, s, model_dir, paths, steps, n_eval)
                    for s in seeds for name in RUNS}
         results = {job: f.result() for job, f in futures.items()}
-    table = ["| run | seed | held-out success: start | end | wins: step 1 | last 5 steps | wall-clock (min) |",
-             "| --- " * 7 + "|"]
-    for (name, seed), r in results.items():
-        table.append(f"| {name} | {seed} | {r['success'][0]:.3f} | {r['success'][1]:.3f} | {r['wins'][0]:.2f} | "
-                     f"{r['wins'][1]:.2f} | {r['wall'] / 60:.1f} |")
-    summary = ["| run | held-out success: start | end | rise (points) |", "| --- " * 4 + "|"]
-    for name in RUNS:
-        rs = [results[(name, s)] for s in seeds]
-        (s, s_se), (e, e_se) = (mean_se([r["success"][i] for r in rs], n_eval) for i in (0, 1))
-        rise, rise_se = mean_se([r["success"][1] - r["success"][0] for r in rs])
-        rise_se = max(rise_se, math.hypot(s_se, e_se) if len(rs) == 1 else 0.0)
-        summary.append(f"| {name} | {s:.3f} ± {s_se:.3f} | {e:.3f} ± {e_se:.3f} | {100 * rise:+.1f} ± "
-                       f"{100 * rise_se:.1f} |")
-    md = "\n".join(table + [""] + summary + ["", f"{n_eval} held-out games; seeds {seeds}; warm start "
-                                                  f"{warm_steps} steps; whole run {(time.time() - t0) / 60:.1f} min"])
+    minutes = (time.time() - t0) / 60
+    note = f"{n_eval} held-out games; seeds {seeds}; warm start {warm_steps} steps; {minutes:.1f} min in all"
+    md = "\n".join(tables(results, seeds, n_eval) + ["", note])
     print(md, flush=True)
     with open(os.path.join(OUT, "env.md"), "w") as f:
         f.write(md + "\n")
     return results
+
+
+def tables(results, seeds, n_eval) -> list[str]:
+    """A row a run, then each setting's success over seeds with standard errors (mean_se)."""
+    table = ["| run | seed | held-out success, greedy: start | end | sampled: start | end | wins: step 1 | "
+             "last 5 steps | wall-clock (min) |", "| --- " * 9 + "|"]
+    for (name, seed), r in results.items():
+        table.append(f"| {name} | {seed} | {r['success'][0]:.3f} | {r['success'][1]:.3f} | {r['sampled'][0]:.3f} | "
+                     f"{r['sampled'][1]:.3f} | {r['wins'][0]:.2f} | {r['wins'][1]:.2f} | {r['wall'] / 60:.1f} |")
+    summary = ["| run | held-out success | start | end | rise (points) |", "| --- " * 5 + "|"]
+    for name in RUNS:
+        for key, how in (("success", "greedy"), ("sampled", "sampled")):
+            rs = [results[(name, s)][key] for s in seeds]
+            (s, s_se), (e, e_se) = (mean_se([r[i] for r in rs], n_eval) for i in (0, 1))
+            rise, rise_se = mean_se([r[1] - r[0] for r in rs])
+            rise_se = max(rise_se, math.hypot(s_se, e_se) if len(rs) == 1 else 0.0)
+            summary.append(f"| {name} | {how} | {s:.3f} ± {s_se:.3f} | {e:.3f} ± {e_se:.3f} | {100 * rise:+.1f} ± "
+                           f"{100 * rise_se:.1f} |")
+    return table + [""] + summary
 
 
 if __name__ == "__main__":
