@@ -173,29 +173,30 @@ def main(argv=None):
         results = {job: f.result() for job, f in futures.items()}
     minutes = (time.time() - t0) / 60
     note = f"{n_eval} held-out games; seeds {seeds}; warm start {warm_steps} steps; {minutes:.1f} min in all"
-    md = "\n".join(tables(results, seeds, n_eval) + ["", note])
+    md = "\n".join(tables(results, n_eval) + ["", note])
     print(md, flush=True)
     with open(os.path.join(OUT, "env.md"), "w") as f:
         f.write(md + "\n")
     return results
 
 
-def tables(results, seeds, n_eval) -> list[str]:
-    """A row a run, then each setting's success over seeds with standard errors (mean_se)."""
+def tables(results, n_eval) -> list[str]:
+    """A row a run, then each setting's success over its seeds with standard errors (mean_se)."""
     table = ["| run | seed | held-out success, greedy: start | end | sampled: start | end | wins: step 1 | "
              "last 5 steps | wall-clock (min) |", "| --- " * 9 + "|"]
     for (name, seed), r in results.items():
-        table.append(f"| {name} | {seed} | {r['success'][0]:.3f} | {r['success'][1]:.3f} | {r['sampled'][0]:.3f} | "
-                     f"{r['sampled'][1]:.3f} | {r['wins'][0]:.2f} | {r['wins'][1]:.2f} | {r['wall'] / 60:.1f} |")
+        cells = [*r["success"], *r["sampled"]]
+        table.append(f"| {name} | {seed} | " + " | ".join(f"{x:.3f}" for x in cells)
+                     + f" | {r['wins'][0]:.2f} | {r['wins'][1]:.2f} | {r['wall'] / 60:.1f} |")
     summary = ["| run | held-out success | start | end | rise (points) |", "| --- " * 5 + "|"]
     for name in RUNS:
         for key, how in (("success", "greedy"), ("sampled", "sampled")):
-            rs = [results[(name, s)][key] for s in seeds]
+            rs = [r[key] for (run, _), r in results.items() if run == name]
             (s, s_se), (e, e_se) = (mean_se([r[i] for r in rs], n_eval) for i in (0, 1))
             rise, rise_se = mean_se([r[1] - r[0] for r in rs])
             rise_se = max(rise_se, math.hypot(s_se, e_se) if len(rs) == 1 else 0.0)
-            summary.append(f"| {name} | {how} | {s:.3f} ± {s_se:.3f} | {e:.3f} ± {e_se:.3f} | {100 * rise:+.1f} ± "
-                           f"{100 * rise_se:.1f} |")
+            summary.append(f"| {name} | {how} | {s:.3f} ± {s_se:.3f} | {e:.3f} ± {e_se:.3f} | "
+                           f"{100 * rise:+.1f} ± {100 * rise_se:.1f} |")
     return table + [""] + summary
 
 
