@@ -15,8 +15,9 @@ transcripts) fine-tuned on transcripts as the chat template renders them with th
 READ_SHARE of them play binary search on the replies, the rest guess at random; loss on the model's turns only
 (the replies are conditioning, as in the RL runs). Then grpo.py from it, the same flags with :Guess and with
 :Blind, rewarded 1 for a win (guess_env.won). Success: grpo.py's held-out greedy eval/accuracy, which is the win
-rate here (the last number the model writes is its last guess, the hidden number when it won), before the first
-step and after the last. Runs go two at a time, one thread each; each is seeded, so a rerun repeats it.
+rate here (the last number the model writes is its last guess, the hidden number when it won), and its sampled
+eval/mean@1 (a game each, at the temperature the run samples), before the first step and after the last. Runs go
+two at a time, one thread each; each is seeded, so a rerun repeats it. The warm start is kept (warm_start).
 """
 import argparse
 import concurrent.futures
