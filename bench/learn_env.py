@@ -134,8 +134,7 @@ def run_grpo(name, seed, model_dir, paths, steps, eval_prompts):
              "16", "--learning-rate", str(LR), "--warmup-steps", str(WARMUP), "--max-steps", str(steps),
              "--micro-batch-size", str(B * G), "--dtype", "fp32", "--eval-prompts", str(eval_prompts),
              "--eval-every", str(steps), "--eval-samples", "1", "--save-every", "0", "--algo", "drgrpo",
-             "--system-prompt", "",
-             "--env", f"{GAME}:{RUNS[name]}", "--reward-fn", f"{GAME}:won"]
+             "--system-prompt", "", "--env", f"{GAME}:{RUNS[name]}", "--reward-fn", f"{GAME}:won"]
     wall = lt.child([sys.executable, os.path.join(ROOT, "grpo.py"), "--model", model_dir, "--dataset", paths[0],
                      "--eval-dataset", paths[1], "--output-dir", out, "--seed", str(seed), "--overwrite"] + flags,
                     f"{name} (seed {seed})")
