@@ -15,8 +15,9 @@ transcripts) fine-tuned on transcripts as the chat template renders them with th
 READ_SHARE of them play binary search on the replies, the rest guess at random; loss on the model's turns only
 (the replies are conditioning, as in the RL runs). Then grpo.py from it, the same flags with :Guess and with
 :Blind, rewarded 1 for a win (guess_env.won). Success: grpo.py's held-out greedy eval/accuracy, which is the win
-rate here (the last number the model writes is its last guess, the hidden number when it won), before the first
-step and after the last. Runs go two at a time, one thread each; each is seeded, so a rerun repeats it.
+rate here (the last number the model writes is its last guess, the hidden number when it won), and its sampled
+eval/mean@1 (a game each, at the temperature the run samples), before the first step and after the last. Runs go
+two at a time, one thread each; each is seeded, so a rerun repeats it. The warm start is kept (warm_start).
 """
 import argparse
 import concurrent.futures
@@ -41,9 +42,9 @@ import tiny  # noqa: E402
 OUT = os.path.join(BENCH, "out")
 GAME = os.path.join(BENCH, "guess_env.py")
 MODEL, VOCAB = dict(layers=4, hidden=128, heads=4, kv_heads=2), 1024
-N_TRAIN, EVAL_PROMPTS, READ_SHARE, LIMIT = 20000, 256, 0.5, 7
+N_TRAIN, EVAL_PROMPTS, READ_SHARE, LIMIT = 20000, 256, 0.8, 7
 WARM_STEPS, WARM_BATCH, WARM_LR = 600, 32, 2e-3
-B, G, T, LR, WARMUP, STEPS = 8, 8, 200, 5e-4, 5, 30
+B, G, T, LR, WARMUP, STEPS = 8, 8, 300, 3e-4, 5, 30  # (T: 7 guesses and their replies)
 PROMPT = "Find the hidden whole number from 1 to 100 in at most 7 guesses."
 RUNS = {"replies read": "Guess", "replies hidden": "Blind"}
 
@@ -83,8 +84,16 @@ def transcript(tok, tools, ex: dict, read: bool, system: str, rng):
     return grpo.chat_prompt(tok, ex["prompt"], system, tools), ids[:end], mask[:end]
 
 
-def warm_start(model_dir, train, steps, seed=0):
-    """The supervised warm start (module docstring), on one thread."""
+def warm_start(train, steps, seed=0) -> str:
+    """The supervised warm start (module docstring), on one thread: its folder, named by its settings and kept
+    there, so that a rerun (another RL protocol) reuses it."""
+    settings = dict(model=MODEL, vocab=VOCAB, games=len(train), read_share=READ_SHARE, steps=steps,
+                    batch=WARM_BATCH, lr=WARM_LR, seed=seed)
+    model_dir = os.path.join(OUT, f"env_warm_{zlib.crc32(json.dumps(settings).encode()):08x}")
+    done = os.path.join(model_dir, "warm.json")  # written last: a folder without it is retrained
+    if os.path.exists(done):
+        print(f"  warm start: {model_dir} (kept)", flush=True)
+        return model_dir
     torch.set_num_threads(1)
     rng = random.Random(seed)
     flags = ["--env", f"{GAME}:Guess", "--max-new-tokens", str(T), "--system-prompt", ""]  # (as the runs)
@@ -112,24 +121,28 @@ def warm_start(model_dir, train, steps, seed=0):
         if step % 100 == 0 or step == steps:
             print(f"  warm start: step {step} ({time.time() - t0:.0f} s): loss {loss.item():.3f}", flush=True)
     model.save_pretrained(model_dir)
+    with open(done, "w") as f:
+        json.dump(settings, f)
+    return model_dir
 
 
 def run_grpo(name, seed, model_dir, paths, steps, eval_prompts):
-    """grpo.py's run: held-out greedy success at the start and at the end, the mean reward (wins) at the first
-    step and over the last 5, and its wall-clock."""
+    """grpo.py's run: held-out success at the start and at the end, greedy and sampled (as the run samples: a
+    game each), the mean reward (wins) at the first step and over the last 5, and its wall-clock."""
     out = os.path.join(OUT, f"env_{RUNS[name]}_seed{seed}")
     flags = ["--prompts-per-step", str(B), "--num-generations", str(G), "--max-new-tokens", str(T), "--lora-r",
              "16", "--learning-rate", str(LR), "--warmup-steps", str(WARMUP), "--max-steps", str(steps),
              "--micro-batch-size", str(B * G), "--dtype", "fp32", "--eval-prompts", str(eval_prompts),
-             "--eval-every", str(steps), "--save-every", "0", "--algo", "drgrpo", "--system-prompt", "",
-             "--env", f"{GAME}:{RUNS[name]}", "--reward-fn", f"{GAME}:won"]
+             "--eval-every", str(steps), "--eval-samples", "1", "--save-every", "0", "--algo", "drgrpo",
+             "--system-prompt", "", "--env", f"{GAME}:{RUNS[name]}", "--reward-fn", f"{GAME}:won"]
     wall = lt.child([sys.executable, os.path.join(ROOT, "grpo.py"), "--model", model_dir, "--dataset", paths[0],
                      "--eval-dataset", paths[1], "--output-dir", out, "--seed", str(seed), "--overwrite"] + flags,
                     f"{name} (seed {seed})")
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    success = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
+    evals = [r for r in rows if "eval/accuracy" in r]
     steps_ = [r for r in rows if "reward/mean" in r]
-    return {"success": (success[0], success[-1]), "wall": wall,
+    return {"success": (evals[0]["eval/accuracy"], evals[-1]["eval/accuracy"]), "wall": wall,
+            "sampled": (evals[0]["eval/mean@1"], evals[-1]["eval/mean@1"]),
             "wins": (steps_[0]["reward/mean"], statistics.mean(r["reward/mean"] for r in steps_[-5:]))}
 
 
@@ -152,32 +165,39 @@ def main(argv=None):
     for path, rows in zip(paths, (train, evals)):
         with open(path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-    model_dir = os.path.join(OUT, "env_warm")
-    warm_start(model_dir, train, warm_steps)
+    model_dir = warm_start(train, warm_steps)
     seeds = [int(s) for s in args.seeds.split(",")]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two cores: two runs at a time, a thread each
         futures = {(name, s): pool.submit(run_grpo, name, s, model_dir, paths, steps, n_eval)
                    for s in seeds for name in RUNS}
         results = {job: f.result() for job, f in futures.items()}
-    table = ["| run | seed | held-out success: start | end | wins: step 1 | last 5 steps | wall-clock (min) |",
-             "| --- " * 7 + "|"]
-    for (name, seed), r in results.items():
-        table.append(f"| {name} | {seed} | {r['success'][0]:.3f} | {r['success'][1]:.3f} | {r['wins'][0]:.2f} | "
-                     f"{r['wins'][1]:.2f} | {r['wall'] / 60:.1f} |")
-    summary = ["| run | held-out success: start | end | rise (points) |", "| --- " * 4 + "|"]
-    for name in RUNS:
-        rs = [results[(name, s)] for s in seeds]
-        (s, s_se), (e, e_se) = (mean_se([r["success"][i] for r in rs], n_eval) for i in (0, 1))
-        rise, rise_se = mean_se([r["success"][1] - r["success"][0] for r in rs])
-        rise_se = max(rise_se, math.hypot(s_se, e_se) if len(rs) == 1 else 0.0)
-        summary.append(f"| {name} | {s:.3f} ± {s_se:.3f} | {e:.3f} ± {e_se:.3f} | {100 * rise:+.1f} ± "
-                       f"{100 * rise_se:.1f} |")
-    md = "\n".join(table + [""] + summary + ["", f"{n_eval} held-out games; seeds {seeds}; warm start "
-                                                  f"{warm_steps} steps; whole run {(time.time() - t0) / 60:.1f} min"])
+    minutes = (time.time() - t0) / 60
+    note = f"{n_eval} held-out games; seeds {seeds}; warm start {warm_steps} steps; {minutes:.1f} min in all"
+    md = "\n".join(tables(results, n_eval) + ["", note])
     print(md, flush=True)
     with open(os.path.join(OUT, "env.md"), "w") as f:
         f.write(md + "\n")
     return results
+
+
+def tables(results, n_eval) -> list[str]:
+    """A row a run, then each setting's success over its seeds with standard errors (mean_se)."""
+    table = ["| run | seed | held-out success, greedy: start | end | sampled: start | end | wins: step 1 | "
+             "last 5 steps | wall-clock (min) |", "| --- " * 9 + "|"]
+    for (name, seed), r in results.items():
+        cells = [*r["success"], *r["sampled"]]
+        table.append(f"| {name} | {seed} | " + " | ".join(f"{x:.3f}" for x in cells)
+                     + f" | {r['wins'][0]:.2f} | {r['wins'][1]:.2f} | {r['wall'] / 60:.1f} |")
+    summary = ["| run | held-out success | start | end | rise (points) |", "| --- " * 5 + "|"]
+    for name in RUNS:
+        for key, how in (("success", "greedy"), ("sampled", "sampled")):
+            rs = [r[key] for (run, _), r in results.items() if run == name]
+            (s, s_se), (e, e_se) = (mean_se([r[i] for r in rs], n_eval) for i in (0, 1))
+            rise, rise_se = mean_se([r[1] - r[0] for r in rs])
+            rise_se = max(rise_se, math.hypot(s_se, e_se) if len(rs) == 1 else 0.0)
+            summary.append(f"| {name} | {how} | {s:.3f} ± {s_se:.3f} | {e:.3f} ± {e_se:.3f} | "
+                           f"{100 * rise:+.1f} ± {100 * rise_se:.1f} |")
+    return table + [""] + summary
 
 
 if __name__ == "__main__":
