@@ -5,7 +5,7 @@ CPU. Protocol: bench/README.md.
 
     python bench/learn_env.py               # warm start, then 2 runs x 3 seeds, two at a time
     python bench/learn_env.py --seeds 0     # one seed each
-    python bench/learn_env.py --smoke       # a few steps of each part (the suite runs it)
+    python bench/learn_env.py --smoke       # a few steps of each part (a minute): it runs
 
 Writes bench/out/env.md (the tables).
 
