@@ -816,6 +816,9 @@ def score(rows: list[dict], reward_fns, a: Args):
         words = f" + overlong(L_cache={a.overlong_buffer})"
     return total, per_fn, words
 
+def pass_at_k(n: int, c: int, k: int) -> float:  # of n samples, c correct: P(one of k drawn is), unbiased
+    return 1 - math.comb(n - c, k) / math.comb(n, k)  # (Chen et al. 2021, 2107.03374, eq. 1)
+
 def reward_keywords(a: Args, row: dict = dict(record={}, completion=())) -> dict:  # (none: but a record's)
     """As TRL's: the record's fields but its answer; length, in tokens (the tools' too, as T counts them);
     --tools, --env: tool_calls (name, arguments, result; error, timeout, done); --env: env, a copy of the
@@ -1343,9 +1346,6 @@ def edit_source_grads(grads: dict, params: list, a: Args) -> tuple[dict, str]:
 
 # ============================================================================= run-keeping
 # Nothing below changes the algorithm: evaluation, processes, checkpoints, logs, signals, --dry-run, main().
-
-def pass_at_k(n: int, c: int, k: int) -> float:  # of n samples, c correct: P(one of k drawn is), unbiased
-    return 1 - math.comb(n - c, k) / math.comb(n, k)  # (Chen et al. 2021, 2107.03374, eq. 1)
 
 @torch.no_grad()
 def evaluate(model, tok, examples: list[dict], a: Args, rank=0, world=1, sampler=None, tools=None) -> dict:
