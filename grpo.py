@@ -450,7 +450,7 @@ def load_model(a: Args, device: torch.device, resume: str | None = None):
         model = peft.get_peft_model(model, config)
         if resume:
             model.load_adapter(resume, "default", is_trainable=True)
-    elif "ref_logp" in probe(a)[0]:  # full fine-tuning, and a term reads the reference:
+    elif {"ref_logp", "ref_entropy"} & probe(a)[0]:  # full fine-tuning, and a term reads the reference:
         ref_model = AutoModelForCausalLM.from_pretrained(a.model, **kw).eval().requires_grad_(False)  # a copy
     return model.train(), tok, ref_model  # (from_pretrained gives eval mode: no checkpointing, no dropout)
 
@@ -929,19 +929,15 @@ def group_metrics(generated: list[dict], a: Args) -> dict:
 
 def collate(rows: list[dict], pad_id: int, device) -> dict:
     """Rows (generate's, scored) -> padded tensors, a row a completion (N = 0 on a rank that kept none)."""
-    P = max((len(r["prompt_ids"]) for r in rows), default=0)
-    C = max((len(r["completion"]) for r in rows), default=0)
-    ids = torch.full((len(rows), P + C), pad_id, dtype=torch.long)  # (N, P+C), prompts left-padded
-    attn = torch.zeros(len(rows), P + C, dtype=torch.long)
-    mask = torch.zeros(len(rows), C)  # (N, C)
-    sampler_logp = torch.full((len(rows), C), math.nan)  # (N, C); NaN where unknown (teacher rows)
-    for i, r in enumerate(rows):
-        prompt, comp = r["prompt_ids"], r["completion"]
-        ids[i, P - len(prompt):P + len(comp)] = torch.cat([prompt, comp])
-        attn[i, P - len(prompt):] = 1  # after-EOS padding stays attended: causal, masked out of the loss
-        mask[i, :len(comp)] = r["tool_mask"]  # --tools: 0 on a tool's tokens
-        sampler_logp[i, :len(comp)] = r["logp"]
-    batch = dict(input_ids=ids, attention_mask=attn, mask=mask, sampler_logp=sampler_logp,
+    def pad(x: list, value=0, side="right"):  # (N, the longest): the rows' tensors x, padded on one side
+        return torch.nn.utils.rnn.pad_sequence(x or [torch.zeros(0)], True, value, side)[:len(rows)]
+    prompts = [r["prompt_ids"] for r in rows]
+    completions = pad([r["completion"] for r in rows], pad_id)  # (N, C)
+    ids = torch.cat([pad(prompts, pad_id, "left"), completions], 1).long()  # (N, P+C), prompts left-padded
+    attn = torch.cat([pad([torch.ones_like(p) for p in prompts], 0, "left"), torch.ones_like(completions)], 1)
+    batch = dict(input_ids=ids, attention_mask=attn.long(),  # after-EOS padding attended: causal, masked out
+                 mask=pad([r["tool_mask"] for r in rows]),  # (N, C); --tools: 0 on a tool's tokens
+                 sampler_logp=pad([r["logp"] for r in rows], math.nan),  # (N, C); NaN: unknown (teacher rows)
                  reward=torch.tensor([r["reward"] for r in rows]),  # (N,)
                  per_fn=torch.tensor([[*r["rewards"].values()] for r in rows] or [[]])[:len(rows)],  # (N, K)
                  order=torch.tensor([r["order"] for r in rows], dtype=torch.long),  # the group's place
@@ -977,20 +973,16 @@ def policy_logps(model, batch: dict, idx: list[int], a: Args):  # -> logp, entro
         return token_logps(model, batch["input_ids"][idx], batch["attention_mask"][idx], C, temp)
 
 def step_inputs(model, ref_model, batch: dict, names: set, a: Args):
-    """batch[name] (N, C) for each step input a term reads (probe), in micro-batches. FORKER: another input (a
-    second reference, a value head's output) is a branch here; a term then reads it by its name."""
+    """batch[name] (N, C) for each step input a term reads (probe), in micro-batches: old_logp, old_entropy
+    (the policy before the step's first update), ref_logp, ref_entropy (the reference: the policy with LoRA
+    off, or full fine-tuning's frozen copy). FORKER: another input (a value head's output) is a line here."""
     chunks = [c.tolist() for c in torch.arange(len(batch["mask"])).split(a.micro_batch_size) if len(c)]
-    with torch.no_grad():
-        if names & {"old_logp", "old_entropy"}:  # by the policy before the step's first update
-            batch["old_logp"] = torch.empty_like(batch["mask"])
-            batch["old_entropy"] = torch.empty_like(batch["mask"])
-            for idx in chunks:
-                batch["old_logp"][idx], batch["old_entropy"][idx] = policy_logps(model, batch, idx, a)
-        if "ref_logp" in names:  # the reference: the policy with LoRA off, or full fine-tuning's frozen copy
-            batch["ref_logp"] = torch.empty_like(batch["mask"])
-            with model.disable_adapter() if ref_model is None else nullcontext():  # (no second copy)
-                for idx in chunks:
-                    batch["ref_logp"][idx] = policy_logps(ref_model or model, batch, idx, a)[0]
+    for who, policy in (("old", model), ("ref", ref_model or model)):
+        if names & {f"{who}_logp", f"{who}_entropy"}:
+            lora_off = who == "ref" and ref_model is None
+            with torch.no_grad(), model.disable_adapter() if lora_off else nullcontext():
+                parts = [policy_logps(policy, batch, idx, a) for idx in chunks] or [[batch["mask"]] * 2]
+            batch[f"{who}_logp"], batch[f"{who}_entropy"] = (torch.cat(x) for x in zip(*parts))
 
 def gather_step(batch: dict, pad: float = 0.0) -> tuple[dict, torch.Tensor]:
     """Every rank's rows in sampling order, as one process has them; where this rank's are among them."""
@@ -1094,6 +1086,8 @@ def policy_loss(logp, old_logp, adv, mask, a: Args):
     clip = f"clip(r, 1-{a.eps_low:g}, 1+{a.eps_high:g})"
     diag = {"loss/ratio": ratio.detach(), "loss/clipfrac_low": (ratio < 1 - a.eps_low) & (adv < 0),
             "loss/clipfrac_high": (ratio > 1 + a.eps_high) & (adv > 0)}
+    loss = -torch.min(ratio * adv, clipped * adv)  # PPO's clip; DAPO §3.1 clip-higher: eps_high > eps_low
+    words["ℓ"] = f"-min(r·A_i, {clip}·A_i)"
     if a.surrogate == "cispo":  # MiniMax-M1 (2506.13585) eq. 4
         loss = -clipped.detach() * adv * logp
         words["ℓ"] = f"-sg({clip})·A_i·log π_θ"
@@ -1110,36 +1104,32 @@ def policy_loss(logp, old_logp, adv, mask, a: Args):
         loss = -torch.exp(lam + k * log_w - lam * log_w.exp()) * adv * logp  # w = e^log_w, at most e^20
         words["ℓ"] = "-sg(w^k e^(λ(1-w)))·A_i·log π_θ (w = Π_t r_t; k, λ = 2, 3, or 3, 2 if A_i < 0)"
     elif a.surrogate in ("clip_cov", "kl_cov"):  # loss/cov_frac: the share of tokens they hold back
-        loss, diag["loss/cov_frac"], words["ℓ"] = cov_loss(ratio, clipped, log_ratio, logp, adv, mask, a)
+        loss, diag["loss/cov_frac"] = cov_loss(loss, ratio, log_ratio, logp, adv, mask, a, words)
     elif a.surrogate == "sapo":  # SAPO (2511.20347)
         tau = torch.where(adv > 0, a.sapo_tau_pos, a.sapo_tau_neg)
         loss = -(4 / tau) * torch.sigmoid(tau * (ratio - 1)) * adv
         words["ℓ"] = f"-4/τ·σ(τ(r-1))·A_i (τ = {a.sapo_tau_pos:g} if A_i > 0 else {a.sapo_tau_neg:g})"
-    else:  # PPO's clip; DAPO §3.1 clip-higher: eps_high > eps_low
-        loss = -torch.min(ratio * adv, clipped * adv)
-        words["ℓ"] = f"-min(r·A_i, {clip}·A_i)"
     if a.dual_clip:  # Dual-clip PPO (1912.09729), verl's clip_ratio_c: for c ≥ 1 + eps_high, r clamped at c
         diag["loss/dual_clipfrac"] = (adv < 0) & (loss > -a.dual_clip * adv)
         loss = torch.where(adv < 0, torch.minimum(loss, -a.dual_clip * adv), loss)
         words["ℓ"] = f"min({words['ℓ']}, {a.dual_clip:g}·|A_i| if A_i < 0)"
     return loss, diag, words
 
-def cov_loss(ratio, clipped, log_ratio, logp, adv, mask, a: Args):
-    """Clip-Cov and KL-Cov (2505.22617 §4.3), as verl's, on a micro-batch -> loss, tokens chosen, words."""
+def cov_loss(loss, ratio, log_ratio, logp, adv, mask, a: Args, words: dict):
+    """Clip-Cov, KL-Cov (2505.22617 §4.3), verl's, on a micro-batch: PPO's loss -> theirs, tokens chosen."""
     m = mask != 0
     cov = (adv - adv.expand_as(logp)[m].mean()) * (logp - logp[m].mean()).detach()  # (N, C)
     n = max(1, int(a.cov_ratio * m.sum()))
     if a.surrogate == "clip_cov":
-        loss = -torch.min(ratio * adv, clipped * adv)
         free = (m & (loss == -ratio * adv) & (cov > a.cov_low) & (cov < a.cov_high)).flatten().nonzero()[:, 0]
         drawn = torch.zeros_like(m).flatten().index_fill(0, free[torch.randperm(len(free))[:n]], 1).view_as(m)
-        clip = f"clip(r, 1-{a.eps_low:g}, 1+{a.eps_high:g})"
-        words = f"-min(r·A_i, {clip}·A_i) (0 at {a.cov_ratio:g} of the tokens, drawn where {a.cov_low:g} < "
-        return loss.where(~drawn, 0), drawn, words + f"cov(A, log π) < {a.cov_high:g})"
+        words["ℓ"] += (f" (0 at {a.cov_ratio:g} of the tokens, drawn where {a.cov_low:g} < "
+                       f"cov(A, log π) < {a.cov_high:g})")
+        return loss.where(~drawn, 0), drawn
     top = cov.where(m, -math.inf).flatten().topk(n).indices  # kl_cov
     picked = torch.zeros_like(logp).flatten().index_fill(0, top, 1).view_as(logp)
-    words = f"(-r·A_i + {a.cov_kl_coef:g}·|log r| at the top {a.cov_ratio:g} of tokens by cov(A, log π))"
-    return -ratio * adv + a.cov_kl_coef * picked * log_ratio.abs(), picked > 0, words
+    words["ℓ"] = f"-r·A_i + {a.cov_kl_coef:g}·|log r| on the top {a.cov_ratio:g} tokens by cov(A, log π)"
+    return -ratio * adv + a.cov_kl_coef * picked * log_ratio.abs(), picked > 0
 
 def kl_penalty(logp, ref_logp, kind: str = "k3", old_logp=None):
     """Per-token KL (Schulman, "Approximating KL divergence", 2020), d = log ref - log pi; gradients under pi:
