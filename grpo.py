@@ -342,7 +342,7 @@ def read_records(source: str, split: str) -> list[tuple[str, dict]]:
         fail(f"{source}: no examples")
     return rows
 
-def load_examples(source: str, split: str, graded: bool, reward_fns=(), keywords=None) -> list[dict]:
+def load_examples(source: str, split: str, graded: bool, reward_fns=(), keywords: dict = {}) -> list[dict]:
     """prompt/answer records or GSM8K's question/answer ('... #### N'); graded: a reward reads the answer."""
     out = []
     for where, rec in read_records(source, split):
@@ -361,8 +361,8 @@ def load_examples(source: str, split: str, graded: bool, reward_fns=(), keywords
         out.append({**rec, "prompt": prompt, "answer": answer})
         fields = {k: v for k, v in out[-1].items() if k != "answer"}
         for name, fn, _ in reward_fns:  # bound as score() will call it: a field a reward needs is here
-            try:  # a keyword-only parameter with a default (and T, that a partial binds) is the reward's own
-                kw = {**(inspect.getfullargspec(fn).kwonlydefaults or {}), **(keywords or {"length": 0})}
+            try:  # a keyword-only parameter with a default is the reward's own
+                kw = {**(inspect.getfullargspec(fn).kwonlydefaults or {}), **keywords}
                 inspect.signature(fn).bind(answer, answer, **fields, **kw)
             except TypeError as e:  # a keyword the reward requires and the record lacks, or the reverse
                 fail(f"{where}: reward {name!r} cannot take this record's fields: {e}")
@@ -789,9 +789,6 @@ def build_rewards(a: Args) -> list[tuple[str, object, float]]:
         fns.append((name, fn, 1.0))
     if len({name for name, _, _ in fns}) < len(fns):  # each is logged as reward/<name>
         fail("a reward is named twice (in --rewards, or by --reward-fn's function): list it once")
-    for i, (name, fn, weight) in enumerate(fns):  # a reward that takes max_length gets T (rewards.cosine)
-        if "max_length" in inspect.signature(fn).parameters:
-            fns[i] = (name, functools.wraps(fn)(functools.partial(fn, max_length=a.max_new_tokens)), weight)
     return fns
 
 def score(rows: list[dict], reward_fns, a: Args):
@@ -821,9 +818,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:  # of n samples, c correct: P(on
 
 def reward_keywords(a: Args, row: dict = dict(record={}, completion=())) -> dict:  # (none: but a record's)
     """As TRL's: the record's fields but its answer; length, in tokens (the tools' too, as T counts them);
-    --tools, --env: tool_calls (name, arguments, result; error, timeout, done); --env: env, a copy of the
-    instance's public state as the episode ended."""
-    kw = {k: v for k, v in row["record"].items() if k != "answer"} | {"length": len(row["completion"])}
+    max_length, T (rewards.cosine's L_max); --tools, --env: tool_calls (name, arguments, result; error,
+    timeout, done); --env: env, a copy of the instance's public state as the episode ended."""
+    kw = {k: v for k, v in row["record"].items() if k != "answer"}
+    kw |= {"length": len(row["completion"]), "max_length": a.max_new_tokens}
     kw |= {"tool_calls": list(row.get("tool_calls", []))} if a.tools or a.env else {}
     return kw | ({"env": argparse.Namespace(**row.get("env", {}))} if a.env else {})
 
@@ -1229,9 +1227,7 @@ def probe(a: Args):
     loss, _, more = token_objective(logp, entropy, step, a)
     loss.sum().backward()
     skip = a.skip_zero_variance and not logp.grad.any() and (entropy.grad is None or not entropy.grad.any())
-    words["equal"] = "(A = 0) trained"  # what prepare does with the rows step_terms flags: flat & skip
-    if skip:
-        words["equal"] = "(A = 0) skipped: ∇ℓ = 0 there"
+    words["equal"] = "(A = 0) skipped: ∇ℓ = 0 there" if skip else "(A = 0) trained"
     if not made["flat"].all():  # step_terms flags no such group: their A is not 0 (whitened, or the KL in R)
         words["equal"] = "trained: their A is not 0"
     if not later.equal(made["flat"]):  # (a running baseline: A = 0 only for a prompt with no history)

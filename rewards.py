@@ -4,14 +4,13 @@ and `calculator`, the built-in tool (--tools).
 
 A reward is `fn(completion: str, answer: str, **kw) -> float`: the completion text
 (special tokens stripped), the reference answer (for GSM8K the number after
-`####`), and as keywords `length` (the completion's tokens, its EOS included) and
-the data record's other fields; one with a `max_length` parameter gets
-T = --max-new-tokens there. A keyword-only parameter with a default (after `*`:
-`max_penalty` below; `max_length` once bound to T) is the reward's own setting: a
-record with a field of that name is refused, never passed to it. `REWARDS` maps
-the names that `--rewards correct:1,format:0.2` accepts to these functions. Add
-yours there, or pass `--reward-fn my_file.py:my_fn` without touching this file. A
-reward that grades against the answer is marked `@reads_answer`: grpo.py then
+`####`), and as keywords `length` (the completion's tokens, its EOS included),
+`max_length` (T = --max-new-tokens) and the data record's other fields. A
+keyword-only parameter with a default (after `*`: `max_penalty` below) is the
+reward's own setting: a record with a field of that name is refused, never passed
+to it. `REWARDS` maps the names that `--rewards correct:1,format:0.2` accepts to
+these functions. Add yours there, or pass `--reward-fn my_file.py:my_fn` without
+touching this file. A reward that grades against the answer is marked `@reads_answer`: grpo.py then
 refuses records whose answer is empty. A reward model is a sequence classifier
 (`reward_model`, the reward `model` with `--reward-model ID_OR_PATH`): marked
 `batched`, it scores all of a step's completions in one call, as TRL's does.

@@ -1388,9 +1388,9 @@ def test_cosine_reward_by_hand_and_against_trl():
     assert R.cosine(wrong, "3", length=25, max_length=100) == pytest.approx(-0.5 - 0.25 * (1 + c))
     assert R.cosine(wrong, "3", length=10 ** 6, max_length=100) == -0.5  # past L_max: L_max's value
     assert R.REWARDS["cosine"] is R.cosine and R.cosine.reads_answer
-    fns = grpo.build_rewards(grpo.parse_args(["--rewards", "cosine", "--max-new-tokens", "100"]))  # T is L_max
-    total, _, _ = grpo.score(text_rows([right, wrong], [{"prompt": "1+2?", "answer": "3"}] * 2, [50, 100]), fns,
-                             grpo.parse_args([]))
+    a = grpo.parse_args(["--rewards", "cosine", "--max-new-tokens", "100"])  # T is L_max
+    total, _, _ = grpo.score(text_rows([right, wrong], [{"prompt": "1+2?", "answer": "3"}] * 2, [50, 100]),
+                             grpo.build_rewards(a), a)
     assert total.tolist() == pytest.approx([0.75, -0.5])
 
 
@@ -1454,7 +1454,7 @@ def test_adversarial_text_is_finite_and_fast(text):
 
 def test_reward_functions_get_the_record_s_fields_and_the_length(tmp_path):
     """As in TRL: the completion, the answer, and every other field of the record as keywords; and `length`, the
-    completion's tokens (a token-length reward needs no edit of grpo.py)."""
+    completion's tokens, and `max_length`, T (a token-length reward needs no edit of grpo.py)."""
     a = grpo.parse_args([])
     seen = []
     fns = [("all", lambda c, ans, **kw: seen.append(("all", ans, kw)) or 1.0, 1.0),
@@ -1462,10 +1462,9 @@ def test_reward_functions_get_the_record_s_fields_and_the_length(tmp_path):
     ex = {"prompt": "Write f.", "answer": "", "tests": ["assert f() == 1"]}
     total, _, _ = grpo.score(text_rows(["def f(): return 1"], [ex], [5]), fns, a)
     assert total.item() == 1.5
-    assert seen == [("all", "", {"prompt": "Write f.", "tests": ["assert f() == 1"], "length": 5}),
+    assert seen == [("all", "", {"prompt": "Write f.", "tests": ["assert f() == 1"], "length": 5, "max_length": 256}),
                     ("some", "", "Write f.")]
-    assert grpo.load_examples(write(tmp_path / "d.jsonl", [json.dumps(ex)]), "train", False, fns) == [ex]
-    assert grpo.load_examples(write(tmp_path / "d.jsonl", [json.dumps(ex)]), "train", False, fns, {"length": 0}) == [ex]
+    assert grpo.load_examples(write(tmp_path / "d.jsonl", [json.dumps(ex)]), "train", False, fns, grpo.reward_keywords(a)) == [ex]
     only = [("only", lambda c, ans, *, tests, **kw: float(len(tests)), 1.0)]  # keyword-only, no default: the record's
     assert grpo.load_examples(write(tmp_path / "d.jsonl", [json.dumps(ex)]), "train", False, only) == [ex]
     assert grpo.score(text_rows(["x"], [ex], [1]), only, a)[0].item() == 1.0
@@ -1491,23 +1490,24 @@ def test_a_record_without_a_field_the_reward_needs_is_named_at_start(tmp_path, l
                                             ("repetition", "ngram_size"), ("mine", "max_length"), ("mine", "scale")])
 def test_a_record_field_never_sets_a_reward_s_own_parameter(tmp_path, rewards, field):
     """A keyword-only parameter is the reward's own: a built-in's (repetition's max_penalty: 5 would make it a
-    bonus), or one grpo.py binds (T as max_length, for any reward that takes it). A record with a field of that name
+    bonus), or one grpo.py passes every reward (T as max_length, as length). A record with a field of that name
     is refused at load, naming the field and the reward, never passed on. Other fields reach a custom reward's
     parameters as in TRL, and a field one reward does not own may be another's."""
     (tmp_path / "rw.py").write_text("def mine(c, a, level=0, max_length=1, *, scale=1.0, **kw):\n"
                                     "    return scale * level + max_length\n")
     argv = ["--rewards", rewards] if rewards != "mine" else ["--reward-fn", f"{tmp_path}/rw.py:mine"]
-    fns = grpo.build_rewards(grpo.parse_args(argv + ["--max-new-tokens", "40"]))
+    a = grpo.parse_args(argv + ["--max-new-tokens", "40"])
+    fns = grpo.build_rewards(a)
     data = write(tmp_path / "d.jsonl", ['{"prompt": "q", "answer": "1", "level": 2}',
                                         json.dumps({"prompt": "q", "answer": "1", field: 5})])
     with pytest.raises(SystemExit, match=f"d.jsonl:2: reward '{rewards}' cannot take this record's fields: .*"
                                          f"multiple values for keyword argument '{field}'"):
-        grpo.load_examples(data, "train", False, fns)
-    others = {"max_length": "max_penalty", "max_penalty": "max_length", "ngram_size": "max_length", "scale": "x"}
+        grpo.load_examples(data, "train", False, fns, grpo.reward_keywords(a))
+    others = {"max_length": "max_penalty", "max_penalty": "x", "ngram_size": "x", "scale": "x"}
     data = write(tmp_path / "d.jsonl", ['{"prompt": "q", "answer": "1", "level": 2}',
                                         json.dumps({"prompt": "q", "answer": "1", others[field]: 5})])
-    examples = grpo.load_examples(data, "train", False, fns)
-    total, _, _ = grpo.score(text_rows(["a a a a a a"] * 2, examples, [20, 20]), fns, grpo.parse_args([]))
+    examples = grpo.load_examples(data, "train", False, fns, grpo.reward_keywords(a))
+    total, _, _ = grpo.score(text_rows(["a a a a a a"] * 2, examples, [20, 20]), fns, a)
     want = {"cosine": [-0.75, -0.75], "repetition": [-0.75, -0.75], "mine": [2 + 40, 40]}[rewards]
     assert total.tolist() == pytest.approx(want)  # cosine at T = 40: 20 tokens is half way; 4 trigrams, 1 unique
 
