@@ -787,12 +787,14 @@ def build_rewards(a: Args) -> list[tuple[str, object, float]]:
         if not callable(fn):
             fail(f"--reward-fn: {path} has no function {name!r}")
         fns.append((name, fn, 1.0))
+    if a.overlong_penalty:  # DAPO §3.4's shaping of R, L_max = T: a reward, weight 1 (reward/overlong)
+        fns.append(("overlong", functools.partial(overlong_penalty, buffer=a.overlong_buffer), 1.0))
     if len({name for name, _, _ in fns}) < len(fns):  # each is logged as reward/<name>
         fail("a reward is named twice (in --rewards, or by --reward-fn's function): list it once")
     return fns
 
 def score(rows: list[dict], reward_fns, a: Args):
-    """The rows' (generate's) rewards (n,), each function's values, --dry-run's words for what is added."""
+    """The rows' (generate's) rewards (n,): each function's values (by name), weighted and summed."""
     per_fn = {}
     for name, fn, weight in reward_fns:
         try:
@@ -805,13 +807,7 @@ def score(rows: list[dict], reward_fns, a: Args):
         for v in itertools.filterfalse(finite32, values):  # the first value that is no reward stops the run
             fail(f"reward {name!r} returned {v!r:.60}: a reward is a number, finite in float32")
         per_fn[name] = torch.tensor([float(v) for v in values])
-    total = sum((weight * per_fn[name] for name, _, weight in reward_fns), torch.zeros(len(rows)))
-    words = ""
-    if a.overlong_penalty:  # DAPO §3.4, L_max = T
-        total += torch.tensor([overlong_penalty(len(r["completion"]), a.max_new_tokens, a.overlong_buffer)
-                               for r in rows])
-        words = f" + overlong(L_cache={a.overlong_buffer})"
-    return total, per_fn, words
+    return sum((weight * per_fn[name] for name, _, weight in reward_fns), torch.zeros(len(rows))), per_fn
 
 def pass_at_k(n: int, c: int, k: int) -> float:  # of n samples, c correct: P(one of k drawn is), unbiased
     return 1 - math.comb(n - c, k) / math.comb(n, k)  # (Chen et al. 2021, 2107.03374, eq. 1)
@@ -873,7 +869,7 @@ def rollout(model, tok, stream, reward_fns, pool, a: Args, state, sampler=None, 
                 for i, ex in enumerate(drawn) for _ in range(G_s)]  # order: the group's place in the step's
         generate(model, tok, rows, a, sampler=sampler, tools=tools)
         t1 = time.time()
-        rewards, per_fn, _ = score(rows, reward_fns, a)
+        rewards, per_fn = score(rows, reward_fns, a)
         for i, r in enumerate(rows):
             r.update(reward=rewards[i].item(), rewards={k: v[i].item() for k, v in per_fn.items()})
         for i, ex in enumerate(drawn):  # a teacher's row: its group's prompt, record and order; no log-probs
@@ -1628,7 +1624,7 @@ def describe(a: Args) -> str:
     """--dry-run: the loss the flags optimise, each term's words (probe: no model or data), then the flags."""
     w = probe(a)[2]
     G = group_size(a)
-    shaping = score([], [], a)[2]  # what is added to the rewards' sum
+    shaping = f" + overlong(L_cache={a.overlong_buffer})" if a.overlong_penalty else ""  # a reward of its own
     reward = " + ".join(filter(None, [a.rewards.replace(",", " + "), a.reward_fn])) + shaping
     norm = aggregate_loss(torch.ones(1, 1), torch.ones(1, 1), a.loss_agg, a.max_new_tokens)[1]
     split = edit_source_grads({}, [], a)[1]

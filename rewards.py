@@ -1,5 +1,5 @@
 """Reward functions for grpo.py: answer extraction, math correctness, format, length-scaled
-correctness (cosine), n-gram repetition, overlong shaping; a reward model (`reward_model`, --reward-model);
+correctness (cosine), n-gram repetition, DAPO's overlong penalty; a reward model (`reward_model`, --reward-model);
 and `calculator`, the built-in tool (--tools).
 
 A reward is `fn(completion: str, answer: str, **kw) -> float`: the completion text
@@ -339,11 +339,11 @@ def calculator(expression: str) -> str:
     return str(value(ast.parse(expression, mode="eval").body))
 
 
-def overlong_penalty(length: int, max_len: int, buffer: int) -> float:
-    """DAPO (2503.14476) §3.4 soft overlong punishment, eq. 13, with L_max = max_len, L_cache = buffer:
-    0 up to max_len - buffer tokens, then falling linearly to -1 at max_len, -1 beyond."""
-    if length <= max_len - buffer:
+def overlong_penalty(completion: str, answer: str, *, length: int, max_length: int, buffer: int, **kw) -> float:
+    """DAPO (2503.14476) §3.4 soft overlong punishment, eq. 13, a reward (--overlong-penalty), with L_max =
+    max_length (T), L_cache = buffer: 0 up to L_max - L_cache tokens, then falling linearly to -1 at L_max."""
+    if length <= max_length - buffer:
         return 0.0
-    if length <= max_len:
-        return ((max_len - buffer) - length) / buffer
+    if length <= max_length:
+        return ((max_length - buffer) - length) / buffer
     return -1.0

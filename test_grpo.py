@@ -1369,7 +1369,7 @@ def test_the_registry_and_the_weights_reach_the_reward():
     assert (R.REWARDS["correct"]("\\boxed{2}", "3"), R.REWARDS["correct_pm1"]("\\boxed{2}", "3")) == (0.0, -1.0)
     fns = grpo.build_rewards(grpo.parse_args(["--rewards", "correct:0.5,correct_pm1:2,format:0.25"]))
     text = "<think>1+2</think><answer>3</answer>"
-    total, per_fn, _ = grpo.score(text_rows([text, "\\boxed{4}"], [{"prompt": "1+2?", "answer": "3"}] * 2, [9, 5]),
+    total, per_fn = grpo.score(text_rows([text, "\\boxed{4}"], [{"prompt": "1+2?", "answer": "3"}] * 2, [9, 5]),
                                   fns, grpo.parse_args([]))
     assert {k: v.tolist() for k, v in per_fn.items()} == {"correct": [1, 0], "correct_pm1": [1, -1], "format": [1, 0]}
     assert total.tolist() == [0.5 + 2 + 0.25, -2.0]
@@ -1389,7 +1389,7 @@ def test_cosine_reward_by_hand_and_against_trl():
     assert R.cosine(wrong, "3", length=10 ** 6, max_length=100) == -0.5  # past L_max: L_max's value
     assert R.REWARDS["cosine"] is R.cosine and R.cosine.reads_answer
     a = grpo.parse_args(["--rewards", "cosine", "--max-new-tokens", "100"])  # T is L_max
-    total, _, _ = grpo.score(text_rows([right, wrong], [{"prompt": "1+2?", "answer": "3"}] * 2, [50, 100]),
+    total, _ = grpo.score(text_rows([right, wrong], [{"prompt": "1+2?", "answer": "3"}] * 2, [50, 100]),
                              grpo.build_rewards(a), a)
     assert total.tolist() == pytest.approx([0.75, -0.5])
 
@@ -1417,7 +1417,7 @@ def test_repetition_reward_s_parameters_each_change_its_value_by_hand():
     assert R.repetition("x y x y x y", "", max_penalty=-0.5) == pytest.approx(-0.5 * (1 - 2 / 4))
     assert R.repetition("x y x y x y", "", ngram_size=2, max_penalty=-2.0) == pytest.approx(-2.0 * (1 - 2 / 5))
     fns = grpo.build_rewards(grpo.parse_args(["--rewards", "repetition:2"]))  # the registry's, weighted
-    total, _, _ = grpo.score(text_rows(["a b a b a", "x y x y x y"], [{"prompt": "p", "answer": ""}] * 2, [5, 6]), fns,
+    total, _ = grpo.score(text_rows(["a b a b a", "x y x y x y"], [{"prompt": "p", "answer": ""}] * 2, [5, 6]), fns,
                              grpo.parse_args([]))
     assert total.tolist() == pytest.approx([-2 * (1 - 2 / 3), -2 * (1 - 2 / 4)])
     assert R.cosine("so \\boxed{3}", "3", length=128) == pytest.approx(0.75)  # cosine's own L_max: 256, half way
@@ -1426,7 +1426,7 @@ def test_repetition_reward_s_parameters_each_change_its_value_by_hand():
 def test_overlong_penalty_by_hand():
     """DAPO (2503.14476) eq. 13 with L_max = 10, L_cache = 4: 0 up to 6 tokens, then (6 - |o|) / 4 down to
     -1 at 10 tokens, -1 beyond."""
-    got = [R.overlong_penalty(n, 10, 4) for n in (1, 6, 7, 9, 10, 11, 500)]
+    got = [R.overlong_penalty("", "", length=n, max_length=10, buffer=4) for n in (1, 6, 7, 9, 10, 11, 500)]
     assert got == pytest.approx([0.0, 0.0, -0.25, -0.75, -1.0, -1.0, -1.0])
 
 
@@ -1460,7 +1460,7 @@ def test_reward_functions_get_the_record_s_fields_and_the_length(tmp_path):
     fns = [("all", lambda c, ans, **kw: seen.append(("all", ans, kw)) or 1.0, 1.0),
            ("some", lambda c, ans, prompt, length, **kw: seen.append(("some", ans, prompt)) or length / 10, 1.0)]
     ex = {"prompt": "Write f.", "answer": "", "tests": ["assert f() == 1"]}
-    total, _, _ = grpo.score(text_rows(["def f(): return 1"], [ex], [5]), fns, a)
+    total, _ = grpo.score(text_rows(["def f(): return 1"], [ex], [5]), fns, a)
     assert total.item() == 1.5
     assert seen == [("all", "", {"prompt": "Write f.", "tests": ["assert f() == 1"], "length": 5, "max_length": 256}),
                     ("some", "", "Write f.")]
@@ -1507,7 +1507,7 @@ def test_a_record_field_never_sets_a_reward_s_own_parameter(tmp_path, rewards, f
     data = write(tmp_path / "d.jsonl", ['{"prompt": "q", "answer": "1", "level": 2}',
                                         json.dumps({"prompt": "q", "answer": "1", others[field]: 5})])
     examples = grpo.load_examples(data, "train", False, fns, grpo.reward_keywords(a))
-    total, _, _ = grpo.score(text_rows(["a a a a a a"] * 2, examples, [20, 20]), fns, a)
+    total, _ = grpo.score(text_rows(["a a a a a a"] * 2, examples, [20, 20]), fns, a)
     want = {"cosine": [-0.75, -0.75], "repetition": [-0.75, -0.75], "mine": [2 + 40, 40]}[rewards]
     assert total.tolist() == pytest.approx(want)  # cosine at T = 40: 20 tokens is half way; 4 trigrams, 1 unique
 
@@ -1534,7 +1534,7 @@ def test_custom_reward_alone_unless_rewards_given(tmp_path):
     a = grpo.parse_args(["--reward-fn", f"{tmp_path}/rw.py:length", "--rewards", "correct: 1, format :0.5"])
     fns = grpo.build_rewards(a)  # spaces around the names and weights are fine
     assert [(n, w) for n, _, w in fns] == [("correct", 1.0), ("format", 0.5), ("length", 1.0)]
-    total, per_fn, _ = grpo.score(text_rows(["\\boxed{3} xx"], [{"prompt": "1+2?", "answer": "3"}], [5]), fns, a)
+    total, per_fn = grpo.score(text_rows(["\\boxed{3} xx"], [{"prompt": "1+2?", "answer": "3"}], [5]), fns, a)
     assert total.item() == pytest.approx(1.0 + 0 + 1.2) and per_fn["length"].item() == pytest.approx(1.2)
 
 
@@ -3015,7 +3015,8 @@ def stub_reward(schedule):
 def rollout(a, model, tok, fn, pool=None):
     """grpo.rollout's groups to train and its metrics, with the advantages the step makes of them (prepare)."""
     stream = grpo.prompt_stream(grpo.arithmetic_task(100, 0), 0)
-    groups, stats, _ = grpo.rollout(model, tok, stream, [("stub", fn, 1.0)], pool, a, {"prompts_drawn": 0})
+    fns = [("stub", fn, 1.0)] + [f for f in grpo.build_rewards(a) if f[0] == "overlong"]  # (--overlong-penalty's)
+    groups, stats, _ = grpo.rollout(model, tok, stream, fns, pool, a, {"prompts_drawn": 0})
     if groups:
         stats.update(grpo.prepare(model, None, groups, a, {})[-1])
     return groups, stats
@@ -3041,9 +3042,11 @@ def test_the_overlong_penalty_reaches_the_reward(loaded, monkeypatch):
     def judge(text, answer, length, **kw):  # 0, 1, 0, 1, ... and what a reward is given
         seen.append((text, length))
         return float((len(seen) - 1) % 2)
-    _, _, generated = grpo.rollout(model, tok, stream, [("stub", judge, 1.0)], None, a, {"prompts_drawn": 0})
+    fns = [("stub", judge, 1.0), grpo.build_rewards(a)[-1]]  # (dapo's rewards: correct_pm1, overlong)
+    _, _, generated = grpo.rollout(model, tok, stream, fns, None, a, {"prompts_drawn": 0})
     penalty = [0, 0, -0.25, -0.75, -1, -1, 0, -0.5]
     assert [r["reward"] for r in generated] == pytest.approx([i % 2 + p for i, p in enumerate(penalty)])
+    assert [r["rewards"]["overlong"] for r in generated] == pytest.approx(penalty)  # a reward: reward/overlong
     assert seen == [(tok.decode([7] * (k - (not c))), k) for k, c in zip(lengths, cut)]  # the text without its EOS
 
 
