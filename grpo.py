@@ -478,10 +478,9 @@ def at_step(a: Args, state: dict, step: int) -> Args:
     """The flags step `step` uses: the sampler, rewards, terms, optimizer and evaluation read this copy, one
     value for all. state: the run's memory, saved for --resume: step, max_steps (the first run's, so that
     --max-steps N moves no schedule: clamp one past it), prompts_drawn, scored, a term's. FORKER: a schedule
-    (temperature, top-p, top-k, T <= --max-new-tokens, a coefficient) is a line here, t.x = ..., as the lr."""
+    (temperature, top-p, top-k, T <= --max-new-tokens, a coefficient) is a keyword here, as the lr's."""
     state["step"] = step
-    t = dataclasses.replace(a, learning_rate=a.learning_rate * min(1, step / max(1, a.warmup_steps)))
-    return t
+    return dataclasses.replace(a, learning_rate=a.learning_rate * min(1, step / max(1, a.warmup_steps)))
 
 def chat_prompt(tok, prompt: str, system: str, tools: dict | None = None, reply: str | None = None) -> str:
     if not tok.chat_template:
@@ -507,9 +506,8 @@ def generate(model, tok, rows: list[dict], a: Args, greedy=False, sampler=None, 
     tool_calls, truncated (not ended by the model's EOS), text (the model's tokens, graded), env (--env)."""
     eos = model.generation_config.eos_token_id
     temps = [r["record"].get("temperature", a.temperature) for r in rows]  # FORKER: a prompt's, set in draw
-    bad = [t for t in temps if not (finite32(t) and t > 0)]  # (a record's field: rewards get it as others)
-    if bad:
-        fail(f"a record's temperature must be a number above 0, not {bad[0]!r}")
+    for bad in (t for t in temps if not (finite32(t) and t > 0)):  # (a record's field: rewards get it too)
+        fail(f"a record's temperature must be a number above 0, not {bad!r}")
     for i, r in enumerate(rows):  # --env: the row's instance, reset with its record (a tools file's: no-op)
         start = run_tool(tools, {"name": "reset"}, i, r)["result"] if tools else ""
         text = prompt_text(tok, {**r["record"], "prompt": r["record"]["prompt"] + start}, a, tools)
@@ -899,9 +897,9 @@ def group_metrics(generated: list[dict], a: Args) -> dict:
     students = [r for r in rows if not r["teacher"]]
     reward = torch.tensor([r["reward"] for r in rows], dtype=torch.float64)
     length = torch.tensor([r["length"] for r in students], dtype=torch.float64)
-    flat = equal(reward.view(-1, group_size(a))).tolist()
     out = {"reward/mean": reward.mean().item(), "reward/std": reward.std().item(), "groups/equal_frac":
-           statistics.mean(flat), "accuracy": statistics.mean(r["correct"] for r in students),
+           statistics.mean(equal(reward.view(-1, group_size(a))).tolist()),
+           "accuracy": statistics.mean(r["correct"] for r in students),
            "completion/tokens": length.sum().item(), "completion/mean_length": length.mean().item(),
            "completion/max_length": length.max().item(),
            "completion/truncated_frac": statistics.mean(r["truncated"] for r in students)}
@@ -971,9 +969,8 @@ def step_inputs(model, ref_model, batch: dict, names: set, a: Args):
     (the policy before the step's first update), ref_logp, ref_entropy (the reference: the policy with LoRA
     off, or full fine-tuning's frozen copy). FORKER: another input (a value head's output) is a line here."""
     chunks = [c.tolist() for c in torch.arange(len(batch["mask"])).split(a.micro_batch_size) if len(c)]
-    for who, policy in (("old", model), ("ref", ref_model or model)):
+    for who, policy, lora_off in (("old", model, False), ("ref", ref_model or model, ref_model is None)):
         if names & {f"{who}_logp", f"{who}_entropy"}:
-            lora_off = who == "ref" and ref_model is None
             with torch.no_grad(), model.disable_adapter() if lora_off else nullcontext():
                 parts = [policy_logps(policy, batch, idx, a) for idx in chunks] or [[batch["mask"]] * 2]
             batch[f"{who}_logp"], batch[f"{who}_entropy"] = (torch.cat(x) for x in zip(*parts))
@@ -1318,8 +1315,7 @@ def edit_source_grads(grads: dict, params: list, a: Args) -> tuple[dict, str]:
     if not grads:  # none without --split-grads; --dry-run's call
         return {}, words if a.split_grads else ""
     g_s, g_t = grads["student"], grads["teacher"]  # FORKER: project or drop either here
-    norm_s = torch.sqrt(sum((g * g).sum() for g in g_s))
-    norm_t = torch.sqrt(sum((g * g).sum() for g in g_t))
+    norm_s, norm_t = (torch.sqrt(sum((g * g).sum() for g in grads)) for grads in (g_s, g_t))
     cos = sum((s * t).sum() for s, t in zip(g_s, g_t)) / (norm_s * norm_t).clamp(min=1e-30)
     for p, s, t in zip(params, g_s, g_t):
         p.grad = s + t
