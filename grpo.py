@@ -599,9 +599,8 @@ def longest_prompt(model, tok, a: Args, train, evals, every: bool, tools=None) -
     bound = len(prompt_text(tok, {"prompt": ""}, a, tools).encode()) + 3
     longest = 0
     for source, split, examples in ((a.dataset, "train", train), (a.eval_dataset, "test", evals)):
-        doubt = [i for i, ex in enumerate(examples) if every or len(ex["prompt"].encode()) + bound > room]
-        for i in doubt:  # one at a time: each holds the tools' schemas (memory)
-            text = prompt_text(tok, examples[i], a, tools)
+        for i in [i for i, ex in enumerate(examples) if every or len(ex["prompt"].encode()) + bound > room]:
+            text = prompt_text(tok, examples[i], a, tools)  # one at a time (each holds the tools' schemas)
             ids = tok(text, add_special_tokens=not tok.chat_template).input_ids
             if len(ids) > room:  # refused now, not met hours in as an allocation error inside generate
                 where = read_records(source, split)[i][0] if source else "the built-in task"
@@ -827,8 +826,7 @@ def equal(rewards: torch.Tensor) -> torch.Tensor:  # (n, G) -> (n,): the groups 
 
 def select_groups(rewards: torch.Tensor, a: Args) -> tuple[torch.Tensor, bool, str]:
     """rewards (n, G): every rank's groups so far -> the indices to train, enough, --dry-run's words."""
-    big = a.max_new_tokens * rewards.double().abs().sum() ** 2  # bounds every float32 sum the advantages
-    if not big < torch.finfo(torch.float32).max:  # take: group means, squares, rpp's whitening over tokens
+    if not a.max_new_tokens * rewards.double().abs().sum() ** 2 < torch.finfo(torch.float32).max:  # A's sums
         fail(f"rewards up to {rewards.abs().max():.3g} overflow float32 in the advantages' sums (T (Σ|R|)² "
              f"over 3.4e38): scale them")
     keep = torch.arange(len(rewards))
@@ -1090,8 +1088,7 @@ def policy_loss(logp, old_logp, adv, mask, a: Args):
         words["ℓ"] = f"-A_i·exp(mean_t clip(log r_t, -{a.eps_low:g}, {a.eps_high:g}) on A_i's side)"
     elif a.surrogate == "vespo":  # VESPO (2602.10693), TRL's k and λ
         log_w = log_ratio.detach().clamp(-20, 20).sum(-1, keepdim=True).clamp(math.log(1e-8), 20)  # (N, 1)
-        k = torch.where(adv >= 0, 2.0, 3.0)
-        lam = torch.where(adv >= 0, 3.0, 2.0)
+        k, lam = torch.where(adv >= 0, 2.0, 3.0), torch.where(adv >= 0, 3.0, 2.0)
         loss = -torch.exp(lam + k * log_w - lam * log_w.exp()) * adv * logp  # w = e^log_w, at most e^20
         words["ℓ"] = "-sg(w^k e^(λ(1-w)))·A_i·log π_θ (w = Π_t r_t; k, λ = 2, 3, or 3, 2 if A_i < 0)"
     elif a.surrogate in ("clip_cov", "kl_cov"):  # loss/cov_frac: the share of tokens they hold back
@@ -1194,8 +1191,7 @@ def token_objective(logp, entropy, b: dict, a: Args):
     if a.entropy_coef:  # the entropy bonus (TRL's entropy_coef, verl's entropy_coeff)
         loss = loss - a.entropy_coef * entropy * b["keep"]  # (the tokens the policy loss acts on)
         words["ℓ"] += f" - {a.entropy_coef:g}·H(π_θ)"
-    diag["loss/token_mean"] = loss.detach()
-    diag["policy/entropy"] = entropy.detach()
+    diag.update({"loss/token_mean": loss.detach(), "policy/entropy": entropy.detach()})
     return loss, diag, words
 
 # ----------------------------------------------------------------------------- the step
