@@ -1311,7 +1311,7 @@ def edit_source_grads(grads: dict, params: list, a: Args) -> tuple[dict, str]:
     if not grads:  # none without --split-grads; --dry-run's call
         return {}, words if a.split_grads else ""
     g_s, g_t = grads["student"], grads["teacher"]  # FORKER: project or drop either here
-    norm_s, norm_t = (torch.sqrt(sum((g * g).sum() for g in grads)) for grads in (g_s, g_t))
+    norm_s, norm_t = (torch.sqrt(sum((g * g).sum() for g in part)) for part in (g_s, g_t))
     cos = sum((s * t).sum() for s, t in zip(g_s, g_t)) / (norm_s * norm_t).clamp(min=1e-30)
     for p, s, t in zip(params, g_s, g_t):
         p.grad = s + t
