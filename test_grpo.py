@@ -2604,6 +2604,34 @@ def test_a_tensor_step_terms_returns_reaches_token_objective_by_name_and_is_no_i
     assert torch.equal(torch.cat(seen), 1 + torch.arange(8 * C, dtype=torch.float).view(8, C))  # micro-batches 3, 3, 2
 
 
+def test_a_term_reads_the_reference_s_entropy_by_name_as_it_reads_its_log_probs(loaded):
+    """step_inputs computes the inputs a term reads, by name, in micro-batches: ref_logp and ref_entropy are the
+    reference's (the policy with its LoRA adapters off), old_logp and old_entropy the policy's, each as token_logps
+    gives them for the whole batch at once; what no term reads is not computed."""
+    a, model, tok = loaded
+    batch = grpo.collate(tiny.fixed_groups(tok, [[0, 1, 0, 1]], a), tok.pad_token_id, "cpu")
+    C = batch["mask"].shape[1]
+    lora = [p for n, p in model.named_parameters() if "lora_B" in n]
+    saved = [p.detach().clone() for p in lora]
+    try:
+        with torch.no_grad():
+            for i, p in enumerate(lora):  # adapters that change the policy: it is not the reference
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
+            policy = grpo.token_logps(model, batch["input_ids"], batch["attention_mask"], C, a.temperature)
+            with model.disable_adapter():
+                reference = grpo.token_logps(model, batch["input_ids"], batch["attention_mask"], C, a.temperature)
+        grpo.step_inputs(model, None, batch, {"ref_entropy", "old_logp"}, replace(a, micro_batch_size=3))
+    finally:
+        with torch.no_grad():
+            for p, s in zip(lora, saved):
+                p.copy_(s)
+    assert torch.allclose(batch["ref_entropy"], reference[1], atol=1e-5)
+    assert torch.allclose(batch["ref_logp"], reference[0], atol=1e-5)
+    assert torch.allclose(batch["old_logp"], policy[0], atol=1e-5)
+    assert not torch.allclose(policy[1], reference[1], atol=1e-2)  # (the two differ: a swap would show)
+    assert grpo.probe(replace(a, beta=0.1))[0] == {"ref_logp"}  # (only what a term reads)
+
+
 def test_the_step_s_statistics_see_every_rank_s_trained_tokens_as_one_process(loaded, monkeypatch):
     """step_stats gets each of token_objective's diagnostics as (M, C) over every rank's rows in sampling order,
     NaN where it is not defined (a padded token, a row not trained): a statistic that is not a mean (a max, a
