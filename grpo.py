@@ -252,9 +252,8 @@ def check_args(a: Args, typed=()):
         (a.load_in_4bit and a.lora_r == 0, "--load-in-4bit trains LoRA adapters: set --lora-r > 0"),
         (a.top_k_groups > a.prompts_per_step, "--top-k-groups must be at most --prompts-per-step"),
         (a.overlong_buffer > a.max_new_tokens, "--overlong-buffer must be at most --max-new-tokens (L_max)"),
-        (a.adv_estimator == "gdpo" and (a.teacher_pool or a.kl_in_reward or a.overlong_penalty), "--adv-"
-         "estimator gdpo normalises each reward function apart: the pool's rewards, --kl-in-reward and the "
-         "overlong penalty have no parts: drop them (--no-overlong-penalty)"),
+        (a.adv_estimator == "gdpo" and (a.teacher_pool or a.kl_in_reward), "--adv-estimator gdpo normalises "
+         "each reward function apart: the pool's rewards and --kl-in-reward have no parts: drop them"),
         (a.surrogate in ("gmpo", "vespo") and a.ratio == "sequence", "--surrogate gmpo and vespo take token "
          "ratios (their own mean and product over o_i): drop --ratio sequence"),
         (a.surrogate == "clip_cov" and a.cov_low >= a.cov_high, "--cov-low must be below --cov-high"),
@@ -987,8 +986,8 @@ def gather_step(batch: dict, pad: float = 0.0) -> tuple[dict, torch.Tensor]:
 
 # ----------------------------------------------------------------------------- advantage and loss mask
 def group_advantages(rewards: torch.Tensor, scale: str = "std", eps: float = 1e-6):
-    """rewards (B, G) -> adv (B, G) and --dry-run's words."""
-    adv = rewards - rewards.mean(1, keepdim=True)
+    """rewards (B, G) -> adv (B, G), 0 in an equal-reward group (not R - mean's rounding); --dry-run's."""
+    adv = torch.where(equal(rewards)[:, None], 0.0, rewards - rewards.mean(1, keepdim=True))
     if scale == "std":  # GRPO (2402.03300) §4.1.2; std unbiased (torch's default, as TRL and verl)
         return adv / (rewards.std(1, keepdim=True) + eps), f"(R_i - mean_g(R)) / (std_g(R) + {eps:g})"
     if scale == "batch":  # Lite PPO (2508.08221): the group's mean, the step's std (TRL's "batch")
@@ -1023,10 +1022,10 @@ def step_terms(s: dict, a: Args, state: dict):
     flat = equal(rewards).repeat_interleave(G)[:, None]  # (M, 1): A = 0 in the group
     adv, words["A"] = group_advantages(rewards, a.scale, a.std_eps)
     if a.adv_estimator == "rloo":  # RLOO (2402.14740): R_i minus the mean of the group's other G - 1
-        adv = (rewards - rewards.mean(1, keepdim=True)) * G / (G - 1)
+        adv = group_advantages(rewards, "none")[0] * G / (G - 1)
         words["A"] = "R_i - mean_{j≠i}(R_j) = G/(G-1)·(R_i - mean_g(R))"
     if a.adv_estimator == "reinforce_plus_plus_baseline":  # REINFORCE++ (2501.03262), as verl's: the group
-        adv = rewards - rewards.mean(1, keepdim=True)  # mean out, then whitened over the step's tokens
+        adv = group_advantages(rewards, "none")[0]  # mean out, then whitened over the step's tokens
         L = s["mask"].sum(-1).view_as(adv)  # (a completion weighs by its length)
         mean = (L * adv).sum() / L.sum()
         adv = (adv - mean) * torch.rsqrt((L * (adv - mean) ** 2).sum() / (L.sum() - 1) + 1e-8)
@@ -1034,8 +1033,8 @@ def step_terms(s: dict, a: Args, state: dict):
         words["A"] = "(a_i - mean_t(a)) / std_t(a) over the step's tokens, a_i = R_i - mean_g(R) (no A is 0)"
     if a.adv_estimator == "gdpo":  # GDPO (2601.05242), as TRL's normalize_then_sum: each reward normalised in
         parts = s["per_fn"].T.reshape(-1, *rewards.shape)  # its group, weighted, summed, then whitened over
-        weights = [w for _, _, w in parse_rewards(a.rewards)]  # as build_rewards weighs them
-        S = sum(w * group_advantages(r, "std", a.std_eps)[0] for w, r in zip(weights + [1.0], parts))
+        weights = [w for _, _, w in parse_rewards(a.rewards)] + [1.0] * len(parts)  # build_rewards' (rest: 1)
+        S = sum(w * group_advantages(r, "std", a.std_eps)[0] for w, r in zip(weights, parts))
         adv = (S - S.mean()) / (S.std() + a.std_eps)  # the step's completions
         flat = flat & False  # equal totals need not mean equal parts
         words["A"] = "(S_i - mean(S)) / std(S), S_i = Σ_k w_k (R_k,i - mean_g(R_k)) / std_g(R_k) (no A is 0)"

@@ -237,7 +237,7 @@ def math_verify(completion: str, answer: str, **kw) -> float:
 
 
 @reads_answer
-def cosine(completion: str, answer: str, length: int = 0, *, max_length: int = 256, **kw) -> float:
+def cosine(completion: str, answer: str, length: int = 0, max_length: int = 256, **kw) -> float:
     """Demystifying Long CoT (2502.03373) App. C.1, with TRL's get_cosine_scaled_reward defaults: correctness
     scaled by the length (tokens) on a cosine, 1.0 at length 0 down to 0.5 at max_length when correct, -1.0 up
     to -0.5 when wrong: short right answers score best, short wrong ones worst. Past max_length the length

@@ -994,6 +994,19 @@ def test_gdpo_by_hand_and_against_trl():
     assert not flat.any() and row_adv[0] != row_adv[1]
 
 
+def test_an_equal_reward_group_s_advantage_is_exactly_0():
+    """A = 0 in a group whose rewards are equal, as the papers' formulas give: float32's mean of eight 2.9s is not
+    2.9 to the last bit, and that rounding (2.4e-7) over std + 1e-6 was an A of 0.24 for each row, of one sign
+    in the group, trained wherever equal groups are (a KL term, an entropy bonus, --no-skip-zero-variance).
+    RLOO's leave-one-out mean too (float64's mean of three 0.7s is 1.1e-16 off)."""
+    r = torch.tensor([[2.9] * 8, [1.2] * 8, [0.0, 1.0] * 4])
+    for scale in ("std", "batch", "none"):
+        adv = grpo.group_advantages(r, scale)[0]
+        assert adv[:2].eq(0).all() and adv[2].abs().min() > 0.4, scale
+    a = grpo.Args(num_generations=3, adv_estimator="rloo", scale="none")
+    assert step(a, [0.7] * 3 + [0.0, 1, 0])[1].tolist() == [0, 0, 0, -0.5, 1, -0.5]
+
+
 def test_gdpo_weighs_each_reward_as_build_rewards_reads_rewards():
     """--rewards is parsed once (parse_rewards): spaces and a weight left out mean what build_rewards takes them to
     mean (1), in the step's GDPO sum too (it was a ValueError inside the first update)."""
@@ -1006,6 +1019,12 @@ def test_gdpo_weighs_each_reward_as_build_rewards_reads_rewards():
     quarter = replace(a, rewards="correct,format:0.25")
     other = step(quarter, per_fn @ torch.tensor([1, 0.25]).double(), per_fn=per_fn)[1]
     assert not torch.allclose(other, want)  # the weight reaches the sum
+    more = torch.cat([per_fn, torch.tensor([[0.0, 1, 1, 0, 1, 1], [0, -0.5, 0, 0, -1, 0]]).T.double()], 1)
+    b = replace(a, reward_fn="r.py:mine", overlong_penalty=True)  # --reward-fn's and the penalty's: weight 1
+    parts = [grpo.group_advantages(col.view(-1, 3), "std", a.std_eps)[0] for col in more.T]
+    S = sum(w * p for w, p in zip([1, 0.5, 1, 1], parts)).reshape(-1)
+    got = step(b, more @ torch.tensor([1, 0.5, 1, 1]).double(), per_fn=more)[1]
+    assert torch.allclose(got, (S - S.mean()) / (S.std() + a.std_eps))  # (zip once dropped the fourth)
 
 
 def test_adaptive_kl_in_reward_keeps_its_beta_in_the_run_state_as_verl_s_controller():
@@ -1781,11 +1800,10 @@ def test_impossible_flags_fail_with_a_sentence(argv, says, tmp_path):
     (["--max-gen-rounds", "2"], "--max-gen-rounds does nothing without --dynamic-sampling:"),
     (["--surrogate", "clip_cov", "--cov-low", "5", "--cov-high", "1"], "--cov-low must be below --cov-high"),
     (["--surrogate", "clip_cov", "--cov-low", "2", "--cov-high", "2"], "--cov-low must be below --cov-high"),
-    (["--algo", "dapo", "--adv-estimator", "gdpo"], "the overlong penalty have no parts: drop them"),
 ])
 def test_a_flag_typed_where_it_does_nothing_is_refused_naming_what_to_add(argv, says):
     """A flag the user typed where it acts on nothing (its needs) is refused in one line naming what it needs; a clip_cov
-    range that holds nothing, and a preset's overlong penalty that gdpo cannot split, name what to change."""
+    range that holds nothing names what to change."""
     with pytest.raises(SystemExit, match=says):
         grpo.parse_args(argv)
 
@@ -1795,7 +1813,7 @@ def test_only_what_was_typed_is_refused_not_a_preset_s_or_a_saved_run_s_value(tm
     under --max-gen-rounds stay valid; so do the variants' flags with what they act with. On --resume the saved
     run's flags are its defaults: a run saved with --scale beside rloo continues, --scale typed again is refused."""
     for argv in (["--algo", "drgrpo", "--adv-estimator", "rloo"], ["--kl", "k2"], ["--algo", "dapo", "--max-gen-rounds",
-                 "2"], ["--algo", "dapo", "--adv-estimator", "gdpo", "--no-overlong-penalty"],
+                 "2"], ["--algo", "dapo", "--adv-estimator", "gdpo"],
                  ["--surrogate", "sapo", "--sapo-tau-pos", "2"], ["--tis", "2", "--tis-mode", "token_mask", "--tis-min",
                  "0.5"], ["--surrogate", "kl_cov", "--cov-ratio", "0.1", "--cov-kl-coef", "1"],
                  ["--surrogate", "clip_cov", "--cov-low", "0", "--cov-high", "9", "--cov-ratio", "1"]):
