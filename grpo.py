@@ -1003,7 +1003,7 @@ def step_terms(s: dict, a: Args, state: dict):
     sees them all). s: collate's tensors (reward (M,), mask (M, C), ...), the step inputs a term reads, record
     (a row's: memory per prompt keys by it); state: the run's, a term's memory. -> token_objective's tensors
     by name, metrics, --dry-run's words.
-    FORKER: a term, or a token set or weight (a name returned), is a line here, its words the next."""
+    FORKER: a term, a token set or weight (a name returned), a metric of rows (in stats): a line here."""
     R, mask, stats, G = s["reward"], s["mask"], {}, group_size(a)
     words = {"R": "", "m": "1 up to and including the first EOS"}
     if a.tools or a.env:  # collate's mask: 0 on a tool's tokens, so no term, normaliser or |o_i| counts them
@@ -1154,7 +1154,7 @@ def aggregate_loss(loss, mask, mode: str, max_len: int, n_seqs=None, n_tokens=No
 def token_objective(logp, entropy, b: dict, a: Args):
     """A micro-batch's per-token loss ℓ (N, C), its terms in --dry-run's order, each beside its words, and
     diagnostics (N, C) by name; logp, entropy: the policy's, with gradient; b: its rows' tensors by name.
-    FORKER: a new term or token weight is a line here, its words the next; a metric, a line in `diag`."""
+    FORKER: a new term or token weight is a line here, its words the next; a token mean, a line in diag."""
     mask = b["loss_mask"]
     old_logp = logp.detach()  # one update a step: ratio 1, no extra forward
     words = {"π_old": "sg(π_θ): one update a step, so r = 1"}
