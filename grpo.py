@@ -364,7 +364,7 @@ def load_examples(source: str, split: str, graded: bool, reward_fns=(), keywords
                 kw = {**(inspect.getfullargspec(fn).kwonlydefaults or {}), **keywords}
                 inspect.signature(fn).bind(answer, answer, **fields, **kw)
             except TypeError as e:  # a keyword the reward requires and the record lacks, or the reverse
-                fail(f"{where}: reward {name!r} cannot take this record's fields: {e}")
+                fail(f"{where}: reward {name!r} cannot take this record's fields and length, max_length: {e}")
     return out
 
 def load_data(a: Args, reward_fns=()) -> tuple[list[dict], list[dict]]:
@@ -784,9 +784,9 @@ def build_rewards(a: Args) -> list[tuple[str, object, float]]:
             fail(f"--reward-fn: {path} has no function {name!r}")
         fns.append((name, fn, 1.0))
     if a.overlong_penalty:  # DAPO §3.4's shaping of R, L_max = T: a reward, weight 1 (reward/overlong)
-        fns.append(("overlong", functools.partial(overlong_penalty, buffer=a.overlong_buffer), 1.0))
-    if len({name for name, _, _ in fns}) < len(fns):  # each is logged as reward/<name>
-        fail("a reward is named twice (in --rewards, or by --reward-fn's function): list it once")
+        fns.append(("overlong", functools.partial(overlong_penalty, a.overlong_buffer), 1.0))
+    if len({name for name, _, _ in fns} - {"mean", "std"}) < len(fns):  # each is logged as reward/<name>
+        fail(f"a reward is named twice, or mean or std (metrics'): {[name for name, _, _ in fns]}: rename it")
     return fns
 
 def score(rows: list[dict], reward_fns, a: Args):

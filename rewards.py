@@ -6,9 +6,9 @@ A reward is `fn(completion: str, answer: str, **kw) -> float`: the completion te
 (special tokens stripped), the reference answer (for GSM8K the number after
 `####`), and as keywords `length` (the completion's tokens, its EOS included),
 `max_length` (T = --max-new-tokens) and the data record's other fields. A
-keyword-only parameter with a default (after `*`: `max_penalty` below) is the
-reward's own setting: a record with a field of that name is refused, never passed
-to it. `REWARDS` maps the names that `--rewards correct:1,format:0.2` accepts to
+keyword-only parameter with a default (after `*`: `max_penalty` below), but for
+those grpo.py passes, is the reward's own setting: a record with a field of that
+name is refused, never passed to it. `REWARDS` maps the names that `--rewards correct:1,format:0.2` accepts to
 these functions. Add yours there, or pass `--reward-fn my_file.py:my_fn` without
 touching this file. A reward that grades against the answer is marked `@reads_answer`: grpo.py then
 refuses records whose answer is empty. A reward model is a sequence classifier
@@ -339,9 +339,11 @@ def calculator(expression: str) -> str:
     return str(value(ast.parse(expression, mode="eval").body))
 
 
-def overlong_penalty(completion: str, answer: str, *, length: int, max_length: int, buffer: int, **kw) -> float:
-    """DAPO (2503.14476) §3.4 soft overlong punishment, eq. 13, a reward (--overlong-penalty), with L_max =
-    max_length (T), L_cache = buffer: 0 up to L_max - L_cache tokens, then falling linearly to -1 at L_max."""
+def overlong_penalty(buffer: int, /, completion: str, answer: str, *, length: int, max_length: int,
+                     **kw) -> float:
+    """DAPO (2503.14476) §3.4 soft overlong punishment, eq. 13, a reward (--overlong-penalty binds buffer, by
+    place: no record field sets it), with L_max = max_length (T), L_cache = buffer: 0 up to L_max - L_cache
+    tokens, then falling linearly to -1 at L_max."""
     if length <= max_length - buffer:
         return 0.0
     if length <= max_length:

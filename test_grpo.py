@@ -1442,11 +1442,16 @@ def test_repetition_reward_s_parameters_each_change_its_value_by_hand():
     assert R.cosine("so \\boxed{3}", "3", length=128) == pytest.approx(0.75)  # cosine's own L_max: 256, half way
 
 
-def test_overlong_penalty_by_hand():
+def test_overlong_penalty_by_hand(tmp_path):
     """DAPO (2503.14476) eq. 13 with L_max = 10, L_cache = 4: 0 up to 6 tokens, then (6 - |o|) / 4 down to
     -1 at 10 tokens, -1 beyond."""
-    got = [R.overlong_penalty("", "", length=n, max_length=10, buffer=4) for n in (1, 6, 7, 9, 10, 11, 500)]
+    got = [R.overlong_penalty(4, "", "", length=n, max_length=10) for n in (1, 6, 7, 9, 10, 11, 500)]
     assert got == pytest.approx([0.0, 0.0, -0.25, -0.75, -1.0, -1.0, -1.0])
+    a = grpo.parse_args(["--algo", "dapo", "--max-new-tokens", "10", "--overlong-buffer", "4"])
+    fns = [f for f in grpo.build_rewards(a) if f[0] == "overlong"]  # a reward; L_cache bound by place:
+    ex = grpo.load_examples(write(tmp_path / "d.jsonl", ['{"prompt": "q", "answer": "1", "buffer": 1}']), "train",
+                            False, fns, grpo.reward_keywords(a))  # a record's field `buffer` is the record's
+    assert grpo.score(text_rows(["x"], ex, [9]), fns, a)[0].item() == -0.75
 
 
 @pytest.mark.parametrize("text", [
@@ -1499,7 +1504,7 @@ def test_a_record_without_a_field_the_reward_needs_is_named_at_start(tmp_path, l
     before the model loads, not at the step that draws the record. `length` is the completion's, never a field."""
     data = write(tmp_path / "d.jsonl", [json.dumps({"prompt": "q", "answer": "1", "tests": ["t"]}), json.dumps(line)])
     (tmp_path / "rw.py").write_text("def r(completion, answer, tests, **kw):\n    return float(len(tests))\n")
-    with pytest.raises(SystemExit, match=f"d.jsonl:2: reward 'r' cannot take this record's fields: .*{says}"):
+    with pytest.raises(SystemExit, match=f"d.jsonl:2: reward 'r' cannot take this record's fields and length, max_length: .*{says}"):
         main(["--dataset", data, "--reward-fn", f"{tmp_path}/rw.py:r", "--model", "no-such/model",
               "--output-dir", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
@@ -1519,7 +1524,7 @@ def test_a_record_field_never_sets_a_reward_s_own_parameter(tmp_path, rewards, f
     fns = grpo.build_rewards(a)
     data = write(tmp_path / "d.jsonl", ['{"prompt": "q", "answer": "1", "level": 2}',
                                         json.dumps({"prompt": "q", "answer": "1", field: 5})])
-    with pytest.raises(SystemExit, match=f"d.jsonl:2: reward '{rewards}' cannot take this record's fields: .*"
+    with pytest.raises(SystemExit, match=f"d.jsonl:2: reward '{rewards}' cannot take this record's fields and length, max_length: .*"
                                          f"multiple values for keyword argument '{field}'"):
         grpo.load_examples(data, "train", False, fns, grpo.reward_keywords(a))
     others = {"max_length": "max_penalty", "max_penalty": "x", "ngram_size": "x", "scale": "x"}
@@ -1601,11 +1606,13 @@ def test_a_non_finite_reward_weight_stops_the_run():
 
 
 def test_a_reward_named_twice_is_refused(tmp_path):
-    """reward/<name> is logged by name: a second `correct` would overwrite the first's metric, not its reward."""
-    (tmp_path / "rw.py").write_text("def correct(c, a, **kw):\n    return 0.5\n")
+    """reward/<name> is logged by name: a second `correct` would overwrite the first's metric, not its reward; a
+    reward named std or mean, the step's reward/std or reward/mean; one named overlong, --overlong-penalty's."""
+    (tmp_path / "rw.py").write_text("def correct(c, a, **kw):\n    return 0.5\n\nstd = overlong = correct\n")
     mine = f"{tmp_path}/rw.py:correct"
-    for argv in (["--rewards", "correct", "--reward-fn", mine], ["--rewards", "correct,format,correct:2"]):
-        with pytest.raises(SystemExit, match=r"a reward is named twice \(in --rewards, or by --reward-fn's"):
+    for argv in (["--rewards", "correct", "--reward-fn", mine], ["--rewards", "correct,format,correct:2"],
+                 ["--reward-fn", f"{tmp_path}/rw.py:std"], ["--algo", "dapo", "--reward-fn", f"{tmp_path}/rw.py:overlong"]):
+        with pytest.raises(SystemExit, match=r"a reward is named twice, or mean or std \(metrics'\): \[.*\]: rename it"):
             grpo.build_rewards(grpo.parse_args(argv))
     assert [n for n, _, _ in grpo.build_rewards(grpo.parse_args(["--reward-fn", mine]))] == ["correct"]
 

@@ -136,7 +136,7 @@ def ddp_updates(model_dir, out):
 
 if __name__ == "__main__":
     import sys
-    if len(sys.argv) == 2:  # python tiny.py DIR: a tiny random model to try grpo.py on (--model DIR, --tools too)
+    if len(sys.argv) == 2 and not sys.argv[1].startswith("-"):  # python tiny.py DIR: a model to try grpo.py on
         print(f"a tiny random Qwen2 and its tokenizer in {make_tiny(sys.argv[1], chat_template=TOOLS_CHAT_TEMPLATE)}")
     elif len(sys.argv) == 3:  # the two-process test: python tiny.py MODEL_DIR OUT.pt, or under torchrun
         ddp_updates(sys.argv[1], sys.argv[2])
