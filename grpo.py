@@ -1019,7 +1019,6 @@ def step_terms(s: dict, a: Args, state: dict):
             state["kl_in_reward"] *= 1 + min(max(kl_t / a.kl_target - 1, -0.2), 0.2) * len(R) / 1e4  # next β
             words["R"] += f" (β = {a.kl_in_reward:g}, ×= 1 + clip(KL_t/{a.kl_target:g} - 1, ±.2)·BG/1e4)"
     rewards = R.view(-1, G)  # (groups, G)
-    flat = equal(rewards).repeat_interleave(G)[:, None]  # (M, 1): A = 0 in the group
     adv, words["A"] = group_advantages(rewards, a.scale, a.std_eps)
     if a.adv_estimator == "rloo":  # RLOO (2402.14740): R_i minus the mean of the group's other G - 1
         adv = group_advantages(rewards, "none")[0] * G / (G - 1)
@@ -1029,15 +1028,14 @@ def step_terms(s: dict, a: Args, state: dict):
         L = s["mask"].sum(-1).view_as(adv)  # (a completion weighs by its length)
         mean = (L * adv).sum() / L.sum()
         adv = (adv - mean) * torch.rsqrt((L * (adv - mean) ** 2).sum() / (L.sum() - 1) + 1e-8)
-        flat = flat & False  # whitened: an equal-reward group's A is not 0
         words["A"] = "(a_i - mean_t(a)) / std_t(a) over the step's tokens, a_i = R_i - mean_g(R) (no A is 0)"
     if a.adv_estimator == "gdpo":  # GDPO (2601.05242), as TRL's normalize_then_sum: each reward normalised in
         parts = s["per_fn"].T.reshape(-1, *rewards.shape)  # its group, weighted, summed, then whitened over
         weights = [w for _, _, w in parse_rewards(a.rewards)] + [1.0] * len(parts)  # build_rewards' (rest: 1)
         S = sum(w * group_advantages(r, "std", a.std_eps)[0] for w, r in zip(weights, parts))
         adv = (S - S.mean()) / (S.std() + a.std_eps)  # the step's completions
-        flat = flat & False  # equal totals need not mean equal parts
         words["A"] = "(S_i - mean(S)) / std(S), S_i = Σ_k w_k (R_k,i - mean_g(R_k)) / std_g(R_k) (no A is 0)"
+    flat = (adv == 0).all(1).repeat_interleave(G)[:, None]  # (M, 1): A = 0 in the whole group (probe: skip?)
     if a.soft_reweight:  # Dr. GRPO+ soft reweighting
         w = soft_weights(rewards.std(1), a.std_eps)  # (groups,)
         adv = adv * w[:, None]
@@ -1197,26 +1195,26 @@ def token_objective(logp, entropy, b: dict, a: Args):
 def probe(a: Args):
     """The step's terms on made-up numbers, no model -> the inputs they read, not step_terms' outputs (a step
     computes these, only these); whether an equal-reward group may be skipped; each term's --dry-run words."""
-    G = group_size(a)
+    G, M = group_size(a), 2 * group_size(a)  # two groups: the first's rewards equal; lengths 1 to 3
     gen = torch.Generator().manual_seed(0)
-    def made_up():  # (G, 3) log-probs: any step input a term reads
-        return torch.rand(G, 3, generator=gen).log()
-    rows = dict(reward=torch.zeros(G), order=torch.zeros(G, dtype=torch.long),  # a group of equal rewards
-                mask=torch.ones(G, 3), truncated=torch.zeros(G, dtype=torch.bool),
-                is_teacher=torch.zeros(G, dtype=torch.bool), sampler_logp=made_up(), per_fn=made_up(),
-                record=[{"prompt": "", "answer": ""}] * G)
+    def made_up():  # (M, 3) log-probs: any step input a term reads
+        return torch.rand(M, 3, generator=gen).log()
+    rows = dict(reward=torch.cat([torch.zeros(G), torch.arange(G) % 2.0]), order=torch.arange(M) // G,
+                mask=(torch.arange(3) <= torch.arange(M)[:, None] % 3).float(), truncated=torch.zeros(M) > 0,
+                is_teacher=torch.zeros(M, dtype=torch.bool), sampler_logp=made_up(), per_fn=made_up(),
+                record=[{"prompt": "", "answer": ""}] * M)
     step = collections.defaultdict(made_up, rows)
     state = {}  # (a state of its own)
     made, _, words = step_terms(step, a, state)
     later = step_terms(step, a, state)[0]["flat"]  # the same rows a step later: a term that remembers
-    step.update(made, adv=torch.zeros(G, 1))  # A = 0
+    step.update(made, adv=torch.zeros(M, 1))  # A = 0
     logp = made_up().requires_grad_()
-    entropy = torch.rand(G, 3, generator=gen).requires_grad_()
+    entropy = torch.rand(M, 3, generator=gen).requires_grad_()
     loss, _, more = token_objective(logp, entropy, step, a)
     loss.sum().backward()
     skip = a.skip_zero_variance and not logp.grad.any() and (entropy.grad is None or not entropy.grad.any())
     words["equal"] = "(A = 0) skipped: ∇ℓ = 0 there" if skip else "(A = 0) trained"
-    if not made["flat"].all():  # step_terms flags no such group: their A is not 0 (whitened, or the KL in R)
+    if not made["flat"][:G].all():  # the equal group's A is not 0 (whitened, or the KL in R): not flagged
         words["equal"] = "trained: their A is not 0"
     if not later.equal(made["flat"]):  # (a running baseline: A = 0 only for a prompt with no history)
         words["equal"] = f"as the run's state ({', '.join(state)}) has it; at the first step {words['equal']}"

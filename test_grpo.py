@@ -971,7 +971,7 @@ def test_reinforce_plus_plus_baseline_by_hand_and_against_verl():
 def test_gdpo_by_hand_and_against_trl():
     """GDPO (2601.05242), TRL 1.16.0 multi_objective_aggregation="normalize_then_sum" (eps 1e-4): each reward
     normalised in its group, weighted by --rewards, summed, then whitened over the step's completions. Equal
-    totals need not mean equal parts: such a group is not flat."""
+    totals need not mean equal parts: such a group is not flat (flat: its A is 0, as where its parts are equal)."""
     r1 = [1.0, 0, 0, 1, 1, 1, 1, 1, 0, 0.5, 0, 0]
     r2 = torch.tensor([1.0, 1, 0, 0, 0, 1, 1, 0, 0.2, 0.4, 0.6, 0.8]).double().tolist()  # (float32 values)
     a = grpo.Args(num_generations=4, adv_estimator="gdpo", rewards="correct,format:0.5", std_eps=1e-4)
@@ -991,7 +991,7 @@ def test_gdpo_by_hand_and_against_trl():
     per_fn = torch.tensor([[1.0, 0], [0, 2], [1, 1], [1, 1]])  # totals 1, 1 | 1.5, 1.5 (weights 1, 0.5)
     a = replace(a, num_generations=2)
     _, row_adv, _, _, flat, *_ = step(a, (per_fn * torch.tensor([1, 0.5])).sum(1), per_fn=per_fn)
-    assert not flat.any() and row_adv[0] != row_adv[1]
+    assert not flat[:2].any() and row_adv[0] != row_adv[1] and flat[2:].all()  # (parts equal too: A = 0)
 
 
 def test_an_equal_reward_group_s_advantage_is_exactly_0():
@@ -1005,6 +1005,17 @@ def test_an_equal_reward_group_s_advantage_is_exactly_0():
         assert adv[:2].eq(0).all() and adv[2].abs().min() > 0.4, scale
     a = grpo.Args(num_generations=3, adv_estimator="rloo", scale="none")
     assert step(a, [0.7] * 3 + [0.0, 1, 0])[1].tolist() == [0, 0, 0, -0.5, 1, -0.5]
+
+
+def test_flat_is_read_off_the_advantage_whatever_the_estimator(monkeypatch):
+    """prepare skips the rows step_terms flags flat (where probe finds no gradient at A = 0), and flat is read off
+    the advantage itself: a group whose A is 0 on every row, by whichever estimator made it. A forked estimator
+    that gives an equal-reward group an A (here every A + 0.1) needs no flag of its own to have it trained."""
+    a = grpo.Args(num_generations=2)
+    assert step(a, [1.0, 1.0, 0.0, 1.0])[4].tolist() == [True, True, False, False]
+    real = grpo.group_advantages
+    monkeypatch.setattr(grpo, "group_advantages", lambda r, *args: (real(r, *args)[0] + 0.1, "A + 0.1"))
+    assert not step(a, [1.0, 1.0, 0.0, 1.0])[4].any()
 
 
 def test_gdpo_weighs_each_reward_as_build_rewards_reads_rewards():
