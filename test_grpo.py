@@ -2652,7 +2652,7 @@ def test_a_term_reads_the_reference_s_entropy_by_name_as_it_reads_its_log_probs(
     try:
         with torch.no_grad():
             for i, p in enumerate(lora):  # adapters that change the policy: it is not the reference
-                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
+                p.copy_(10 * torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
             policy = grpo.token_logps(model, batch["input_ids"], batch["attention_mask"], C, a.temperature)
             with model.disable_adapter():
                 reference = grpo.token_logps(model, batch["input_ids"], batch["attention_mask"], C, a.temperature)
@@ -2664,7 +2664,7 @@ def test_a_term_reads_the_reference_s_entropy_by_name_as_it_reads_its_log_probs(
     assert torch.allclose(batch["ref_entropy"], reference[1], atol=1e-5)
     assert torch.allclose(batch["ref_logp"], reference[0], atol=1e-5)
     assert torch.allclose(batch["old_logp"], policy[0], atol=1e-5)
-    assert not torch.allclose(policy[1], reference[1], atol=1e-2)  # (the two differ: a swap would show)
+    assert (policy[1] - reference[1]).abs().max() > 1e-3  # (the two differ: a swap would show)
     assert grpo.probe(replace(a, beta=0.1))[0] == {"ref_logp"}  # (only what a term reads)
 
 
