@@ -3,17 +3,18 @@ correctness (cosine), n-gram repetition, DAPO's overlong penalty; a reward model
 and `calculator`, the built-in tool (--tools).
 
 A reward is `fn(completion: str, answer: str, **kw) -> float`: the completion text
-(special tokens stripped), the reference answer (for GSM8K the number after
-`####`), and as keywords `length` (the completion's tokens, its EOS included),
-`max_length` (T = --max-new-tokens) and the data record's other fields. A
-keyword-only parameter with a default (after `*`: `max_penalty` below), but for
-those grpo.py passes, is the reward's own setting: a record with a field of that
-name is refused, never passed to it. `REWARDS` maps the names that `--rewards correct:1,format:0.2` accepts to
-these functions. Add yours there, or pass `--reward-fn my_file.py:my_fn` without
-touching this file. A reward that grades against the answer is marked `@reads_answer`: grpo.py then
-refuses records whose answer is empty. A reward model is a sequence classifier
-(`reward_model`, the reward `model` with `--reward-model ID_OR_PATH`): marked
-`batched`, it scores all of a step's completions in one call, as TRL's does.
+(special tokens stripped), the reference answer (for GSM8K the number after `####`),
+and as keywords `length` (the completion's tokens, its EOS included), `max_length`
+(T = --max-new-tokens) and the data record's other fields. A keyword-only parameter
+with a default (after `*`: `max_penalty` below), but for those grpo.py passes, is
+the reward's own setting: a record with a field of that name is refused, never
+passed to it. `REWARDS` maps the names that `--rewards correct:1,format:0.2` accepts
+to these functions. Add yours there, or pass `--reward-fn my_file.py:my_fn` without
+touching this file. A reward that grades against the answer is marked
+`@reads_answer`: grpo.py then refuses records whose answer is empty. A reward model
+is a sequence classifier (`reward_model`, the reward `model` with `--reward-model
+ID_OR_PATH`): marked `batched`, it scores all of a step's completions in one call,
+as TRL's does.
 
 Model text is never eval'd or exec'd (the calculator walks Python's parse tree). Every regex here is linear-time and
 every answer and number is capped in length, so adversarial text (megabytes of
