@@ -46,7 +46,7 @@ GAME = os.path.join(BENCH, "guess_env.py")
 MODEL, VOCAB = dict(layers=4, hidden=128, heads=4, kv_heads=2), 1024
 N_TRAIN, EVAL_PROMPTS, EVAL_SAMPLES, READ_SHARE, LIMIT = 20000, 64, 2, 0.8, 7
 WARM_STEPS, WARM_BATCH, WARM_LR = 350, 32, 2e-3
-B, G, T, LR, WARMUP, STEPS = 8, 8, 300, 3e-4, 3, 12  # (T: 7 guesses and their replies)
+B, G, T, LR, WARMUP, STEPS = 8, 8, 300, 3e-4, 3, 15  # (T: 7 guesses and their replies)
 PROMPT = "Find the hidden whole number from 1 to 100 in at most 7 guesses."
 RUNS = {"replies read": "Guess", "replies hidden": "Blind"}
 
