@@ -13,13 +13,12 @@ The game's number is drawn from the record's seed; one seed in four is held out 
 is a training game. The warm start: a tiny Qwen2 (tiny.py, its tools chat template, a BPE learnt from the
 transcripts) fine-tuned on transcripts as the chat template renders them with the game's schema in the prompt:
 READ_SHARE of them play binary search on the replies, the rest guess at random; loss on the model's turns only
-(the replies are conditioning, as in the RL runs), its learning rate ramped up for 20 steps and down to 0 at
-the last. Then grpo.py from it, the same flags with :Guess and with :Blind, rewarded 1 for a win
-(guess_env.won). Success, the measure: grpo.py's held-out sampled eval/mean@k (EVAL_SAMPLES games a held-out
-number, at the temperature the run samples: the policy RL trains), before the first step and after the last;
-beside it grpo.py's greedy eval/accuracy (the last number the model writes is its last guess, the hidden
-number when it won). Runs go two at a time, one thread each; each is seeded, so a rerun repeats it. The warm
-start is kept (warm_start). The wall-clock of the warm start and of each run is printed as it ends.
+(the replies are conditioning, as in the RL runs), at a constant learning rate, on two threads. Then grpo.py
+from it, the same flags with :Guess and with :Blind, rewarded 1 for a win (guess_env.won). Success, the
+measure: grpo.py's held-out sampled eval/mean@k (EVAL_SAMPLES games a held-out number, at the temperature the
+run samples: the policy RL trains), before the first step and after the last; beside it grpo.py's greedy
+eval/accuracy (the last number the model writes is its last guess, the hidden number when it won). Runs go
+two at a time, one thread each; each is seeded, so a rerun repeats it. The warm start is kept (warm_start). The wall-clock of the warm start and of each run is printed as it ends.
 """
 import argparse
 import concurrent.futures
@@ -45,7 +44,7 @@ OUT = os.path.join(BENCH, "out")
 GAME = os.path.join(BENCH, "guess_env.py")
 MODEL, VOCAB = dict(layers=4, hidden=128, heads=4, kv_heads=2), 1024
 N_TRAIN, EVAL_PROMPTS, EVAL_SAMPLES, READ_SHARE, LIMIT = 20000, 64, 2, 0.8, 7
-WARM_STEPS, WARM_BATCH, WARM_LR = 350, 32, 2e-3
+WARM_STEPS, WARM_BATCH, WARM_LR = 600, 32, 2e-3
 B, G, T, LR, WARMUP, STEPS = 8, 8, 300, 3e-4, 3, 15  # (T: 7 guesses and their replies)
 PROMPT = "Find the hidden whole number from 1 to 100 in at most 7 guesses."
 RUNS = {"replies read": "Guess", "replies hidden": "Blind"}
@@ -87,16 +86,16 @@ def transcript(tok, tools, ex: dict, read: bool, system: str, rng):
 
 
 def warm_start(train, steps, seed=0) -> str:
-    """The supervised warm start (module docstring), on one thread: its folder, named by its settings and
+    """The supervised warm start (module docstring), on two threads: its folder, named by its settings and
     kept there, so that a rerun (another RL protocol) reuses it."""
     settings = dict(model=MODEL, vocab=VOCAB, games=len(train), read_share=READ_SHARE, steps=steps,
-                    batch=WARM_BATCH, lr=WARM_LR, schedule="20 up, linear down", seed=seed)
+                    batch=WARM_BATCH, lr=WARM_LR, schedule="constant", threads=2, seed=seed)
     model_dir = os.path.join(OUT, f"env_warm_{zlib.crc32(json.dumps(settings).encode()):08x}")
     done = os.path.join(model_dir, "warm.json")  # written last: a folder without it is retrained
     if os.path.exists(done):
         print(f"  warm start: {model_dir} (kept)", flush=True)
         return model_dir
-    torch.set_num_threads(1)  # (two threads: 1.7x as fast on idle cores, 4x as slow on busy ones)
+    torch.set_num_threads(2)  # (1.7x as fast as one on idle cores, 4x as slow when other work shares them)
     rng = random.Random(seed)
     flags = ["--env", f"{GAME}:Guess", "--max-new-tokens", str(T), "--system-prompt", ""]  # (as the runs)
     tok = tiny.make_tokenizer(chat_template=tiny.TOOLS_CHAT_TEMPLATE)
@@ -112,8 +111,6 @@ def warm_start(train, steps, seed=0) -> str:
     grpo.end_worker(tools)
     cut = lt.shared_prefix(tok, [grpo.chat_prompt(tok, PROMPT, a.system_prompt, tools)] * 2)
     opt = torch.optim.AdamW(model.parameters(), lr=WARM_LR)
-    ramp = torch.optim.lr_scheduler.LambdaLR(  # 20 steps up, then down to 0 at the last
-        opt, lambda s: min(1, (s + 1) / 20) * (1 - s / steps))
     t0 = time.time()
     for step in range(1, steps + 1):
         rows = [transcript(tok, tools, ex, rng.random() < READ_SHARE, a.system_prompt, rng)
@@ -121,7 +118,6 @@ def warm_start(train, steps, seed=0) -> str:
         loss = lt.sft_loss(model, tok, rows, cut)
         loss.backward()
         opt.step()
-        ramp.step()
         opt.zero_grad()
         if step % 100 == 0 or step == steps:
             print(f"  warm start: step {step} ({time.time() - t0:.0f} s): loss {loss.item():.3f}", flush=True)
