@@ -18,7 +18,8 @@ from it, the same flags with :Guess and with :Blind, rewarded 1 for a win (guess
 measure: grpo.py's held-out sampled eval/mean@k (EVAL_SAMPLES games a held-out number, at the temperature the
 run samples: the policy RL trains), before the first step and after the last; beside it grpo.py's greedy
 eval/accuracy (the last number the model writes is its last guess, the hidden number when it won). Runs go
-two at a time, one thread each; each is seeded, so a rerun repeats it. The warm start is kept (warm_start). The wall-clock of the warm start and of each run is printed as it ends.
+two at a time, one thread each; each is seeded, so a rerun repeats it. The warm start is kept (warm_start).
+The wall-clock of the warm start and of each run is printed as it ends.
 """
 import argparse
 import concurrent.futures
